@@ -1,0 +1,31 @@
+# molmobot_policy: set-up, demo and tests. Every target works on a fresh clone.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DURATION ?= 30
+# DDS stays on this machine; the demo uses its own domain (tests pick a random one).
+export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
+export RMW_IMPLEMENTATION := rmw_fastrtps_cpp
+export MUJOCO_GL ?= egl
+export PYOPENGL_PLATFORM ?= egl
+
+.PHONY: setup demo test bench-cpu clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt setup.py scripts/install_system_deps.sh
+	bash scripts/install_system_deps.sh
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: setup
+	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy.demo --duration $(DURATION)
+
+test: setup
+	$(PY) -m pytest -q test
+
+clean:
+	rm -rf $(VENV) build *.egg-info

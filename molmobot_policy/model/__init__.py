@@ -1,0 +1,1 @@
+"""model layer of molmobot_policy (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""preprocess layer of molmobot_policy (see docs/ARCHITECTURE.md)."""

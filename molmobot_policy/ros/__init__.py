@@ -1,0 +1,1 @@
+"""ros layer of molmobot_policy (see docs/ARCHITECTURE.md)."""

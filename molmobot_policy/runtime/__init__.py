@@ -1,0 +1,1 @@
+"""runtime layer of molmobot_policy (see docs/ARCHITECTURE.md)."""

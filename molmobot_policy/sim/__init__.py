@@ -1,0 +1,1 @@
+"""sim layer of molmobot_policy (see docs/ARCHITECTURE.md)."""
