@@ -1,0 +1,72 @@
+"""sensor_msgs/Image -> uint8 RGB frame, the only image format the model side accepts.
+
+Pure function on a duck-typed message (fields `height`, `width`, `encoding`, `step`,
+`data`), so unit tests need no ROS graph. Encoding names are those of ROS REP 118 /
+`sensor_msgs/image_encodings.hpp`. Only 8-bit encodings are supported, for which
+`is_bigendian` does not matter.
+"""
+from __future__ import annotations
+
+import cv2
+import numpy as np
+
+# encoding -> (channels, cv2 conversion to RGB or None when already RGB)
+_ENCODINGS = {
+    'rgb8': (3, None),
+    'bgr8': (3, cv2.COLOR_BGR2RGB),
+    'rgba8': (4, cv2.COLOR_RGBA2RGB),
+    'bgra8': (4, cv2.COLOR_BGRA2RGB),
+    'mono8': (1, cv2.COLOR_GRAY2RGB),
+    '8UC1': (1, cv2.COLOR_GRAY2RGB),
+    '8UC3': (3, None),
+}
+
+SUPPORTED_ENCODINGS = tuple(_ENCODINGS)
+
+
+def image_to_rgb(msg, topic: str = '') -> np.ndarray:
+    """Decode one image message into a contiguous RGB frame.
+
+    Args:
+        msg: a `sensor_msgs/msg/Image` (or any object with the same fields): `height`,
+            `width` (pixels), `encoding` (one of SUPPORTED_ENCODINGS; '8UC3' is read as
+            RGB), `step` (bytes per row, >= width * channels; rows may be padded), `data`
+            (bytes, bytearray, array.array('B') or a sequence of ints, length step * height).
+        topic: the topic the message came from, used only in error messages.
+
+    Returns:
+        np.uint8 array (height, width, 3), RGB order, C-contiguous, owning its memory.
+
+    Raises:
+        ValueError: unsupported encoding, zero size, `step` smaller than width * channels,
+            or `data` whose length is not step * height. The message names the topic, the
+            encoding and the expected sizes.
+    """
+    where = f'image on {topic!r}' if topic else 'image'
+    encoding = msg.encoding
+    if encoding not in _ENCODINGS:
+        raise ValueError(f'{where}: unsupported encoding {encoding!r}; expected one of '
+                         f'{list(SUPPORTED_ENCODINGS)}')
+    channels, conversion = _ENCODINGS[encoding]
+    height, width, step = int(msg.height), int(msg.width), int(msg.step)
+    if height <= 0 or width <= 0:
+        raise ValueError(f'{where} ({encoding}): size must be positive, got '
+                         f'height={height} width={width}')
+    row_bytes = width * channels
+    if step < row_bytes:
+        raise ValueError(f'{where} ({encoding}): step {step} is smaller than width * channels '
+                         f'= {width} * {channels} = {row_bytes}')
+    data = msg.data
+    if isinstance(data, (bytes, bytearray, memoryview)) or hasattr(data, 'typecode'):
+        buffer = np.frombuffer(data, dtype=np.uint8)
+    else:
+        buffer = np.asarray(data, dtype=np.uint8)
+    if buffer.size != step * height:
+        raise ValueError(f'{where} ({encoding}): data has {buffer.size} bytes, expected '
+                         f'step * height = {step} * {height} = {step * height}')
+    pixels = buffer.reshape(height, step)[:, :row_bytes].reshape(height, width, channels)
+    if conversion is None:
+        return np.array(pixels, dtype=np.uint8, order='C')
+    if channels == 1:
+        pixels = pixels[:, :, 0]
+    return cv2.cvtColor(np.ascontiguousarray(pixels), conversion)
