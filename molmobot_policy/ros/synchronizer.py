@@ -1,0 +1,255 @@
+"""Latest-message store and observation assembly for the policy node (no rclpy).
+
+Subscription callbacks hand every message to `ObservationSynchronizer.add_image` /
+`add_joint_state`, which only store it (one message per camera topic, one position per
+joint: bounded memory). The worker calls `build(now, ...)` once per tick: it checks the
+age of every input, decodes only the frames it uses (lazily, `codec.image_to_rgb`) and
+returns a `types.Observation`, or a `Skip` naming what was missing, stale or bad.
+
+Times are plain float seconds in ROS time (header stamps, and `now` from the node clock).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from molmobot_policy.ros.codec import image_to_rgb
+from molmobot_policy.types import Observation
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Why no observation could be built for this tick.
+
+    Attributes:
+        reasons: one human-readable line per problem, each naming the topic or joint.
+        topics: the camera/joint-state topics (or joint names) involved, in input order.
+    """
+
+    reasons: tuple[str, ...]
+    topics: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return '; '.join(self.reasons)
+
+
+@dataclass
+class _Frame:
+    msg: object          # the raw sensor_msgs/Image (decoded only when used)
+    stamp: float         # header stamp, s
+    received: float      # receive time, s (node clock)
+    decoded: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class TopicStats:
+    """Receive statistics of one input, for diagnostics.
+
+    Attributes:
+        rate_hz: messages per second over the recent receive times, measured up to `now`
+            (0.0 with < 2 messages).
+        age: now - newest header stamp, s (None before the first message).
+        count: messages received since construction.
+    """
+
+    rate_hz: float
+    age: float | None
+    count: int
+
+
+class ObservationSynchronizer:
+    """Keeps the newest camera frames and joint positions; builds observations on demand.
+
+    Thread-safe: `add_*` run in subscription callbacks, `build` in the worker thread.
+
+    Args:
+        camera_topics: image topics in the model's image order (camera k -> "Image k+1").
+        joint_names: names of the joints that make up `Observation.state`, in order.
+        joint_state_topic: used only to name the joint state in reasons and stats.
+        decode: msg, topic -> uint8 (H, W, 3) RGB; raises ValueError on bad data.
+        rate_window: receive times kept per topic for the rate estimate.
+
+    Raises:
+        ValueError: empty or duplicated camera topics or joint names.
+    """
+
+    def __init__(self, camera_topics: Sequence[str], joint_names: Sequence[str],
+                 joint_state_topic: str = '/joint_states',
+                 decode: Callable[[object, str], np.ndarray] = image_to_rgb,
+                 rate_window: int = 30) -> None:
+        self.camera_topics = tuple(camera_topics)
+        self.joint_names = tuple(joint_names)
+        self.joint_state_topic = joint_state_topic
+        if not self.camera_topics:
+            raise ValueError('camera_topics is empty; expected at least one image topic')
+        if len(set(self.camera_topics)) != len(self.camera_topics):
+            raise ValueError(f'camera_topics has duplicates: {list(self.camera_topics)}')
+        if not self.joint_names:
+            raise ValueError('joint_names is empty; expected the joints of the state vector')
+        if len(set(self.joint_names)) != len(self.joint_names):
+            raise ValueError(f'joint_names has duplicates: {list(self.joint_names)}')
+        self._decode = decode
+        self._lock = threading.Lock()
+        self._frames: dict[str, _Frame] = {}
+        self._joints: dict[str, tuple[float, float]] = {}    # name -> (position, stamp)
+        self._receive_times = {t: deque(maxlen=rate_window)
+                               for t in self.camera_topics + (joint_state_topic,)}
+        self._counts = dict.fromkeys(self._receive_times, 0)
+        self._last_stamps: dict[str, float] = {}   # per input, stamps used by the last build
+        self._seq = 0
+
+    # ----------------------------------------------------------------- store (callbacks)
+    def add_image(self, topic: str, msg, stamp: float, received: float) -> bool:
+        """Store `msg` as the newest frame of `topic` unless it is older than the stored one.
+
+        Args:
+            topic: one of `camera_topics`.
+            msg: the raw image message (kept undecoded).
+            stamp: its header stamp, s. received: receive time, s.
+
+        Returns:
+            True if stored, False if dropped for being older than the stored frame.
+
+        Raises:
+            KeyError: `topic` is not one of `camera_topics`.
+        """
+        if topic not in self._receive_times or topic == self.joint_state_topic:
+            raise KeyError(f'unknown camera topic {topic!r}; expected one of '
+                           f'{list(self.camera_topics)}')
+        with self._lock:
+            self._note_receive(topic, received)
+            current = self._frames.get(topic)
+            if current is not None and stamp < current.stamp:
+                return False
+            self._frames[topic] = _Frame(msg, float(stamp), float(received))
+            return True
+
+    def add_joint_state(self, names: Sequence[str], positions: Sequence[float], stamp: float,
+                        received: float) -> None:
+        """Store the positions of the named joints (other joints are ignored).
+
+        A message may carry a subset of the joints (split publishers); each joint keeps its
+        newest position. Per joint, a message older than the stored one is ignored.
+
+        Args:
+            names: sensor_msgs/JointState.name. positions: JointState.position (rad or m).
+            stamp: header stamp, s. received: receive time, s.
+
+        Raises:
+            ValueError: `names` and `positions` differ in length.
+        """
+        if len(names) != len(positions):
+            raise ValueError(f'joint state on {self.joint_state_topic!r}: {len(names)} names '
+                             f'but {len(positions)} positions; expected equal lengths')
+        with self._lock:
+            self._note_receive(self.joint_state_topic, received)
+            for name, position in zip(names, positions):
+                if name in self.joint_names:
+                    old = self._joints.get(name)
+                    if old is None or stamp >= old[1]:
+                        self._joints[name] = (float(position), float(stamp))
+
+    def _note_receive(self, topic: str, received: float) -> None:
+        self._receive_times[topic].append(received)
+        self._counts[topic] += 1
+
+    # ------------------------------------------------------------------- build (worker)
+    def build(self, now: float, max_image_age: float, max_state_age: float,
+              instruction: str = '') -> Observation | Skip:
+        """Assemble the newest inputs into an Observation, or say why not.
+
+        Args:
+            now: current ROS time, s.
+            max_image_age: a frame whose header stamp is older than now - max_image_age is
+                stale, s. max_state_age: same for each joint's position, s.
+            instruction: task text copied into the observation.
+
+        Returns:
+            Observation with images (uint8 (H, W, 3) RGB, camera order), state (float32
+            (len(joint_names),), joint-name order), stamp = oldest input header stamp, a
+            seq one higher than the previous one; or Skip naming every missing, stale or
+            undecodable camera topic and missing or stale joint. Never returns an
+            observation that uses an input older than one used by an earlier observation.
+        """
+        with self._lock:
+            frames = {t: self._frames.get(t) for t in self.camera_topics}
+            joints = {n: self._joints.get(n) for n in self.joint_names}
+        reasons, topics = [], []
+        for topic, frame in frames.items():
+            if frame is None:
+                reasons.append(f'camera {topic} has no image yet')
+                topics.append(topic)
+            elif now - frame.stamp > max_image_age:
+                reasons.append(f'camera {topic} is stale: age {now - frame.stamp:.3f} s > '
+                               f'max_image_age {max_image_age:.3f} s')
+                topics.append(topic)
+        missing = [n for n, j in joints.items() if j is None]
+        stale = [n for n, j in joints.items() if j is not None and now - j[1] > max_state_age]
+        if missing:
+            reasons.append(f'joint state {self.joint_state_topic} lacks joints {missing}')
+        if stale:
+            ages = max(now - joints[n][1] for n in stale)
+            reasons.append(f'joint state {self.joint_state_topic} is stale for {stale}: age '
+                           f'{ages:.3f} s > max_state_age {max_state_age:.3f} s')
+        if missing or stale:
+            topics.append(self.joint_state_topic)
+        if reasons:
+            return Skip(tuple(reasons), tuple(topics))
+
+        stamps = {t: f.stamp for t, f in frames.items()}
+        stamps.update({f'joint:{n}': j[1] for n, j in joints.items()})
+        older = [k for k, s in stamps.items() if s < self._last_stamps.get(k, -np.inf)]
+        if older:
+            return Skip(tuple(f'{k} went back in time' for k in older), tuple(older))
+
+        images = []
+        for topic, frame in frames.items():
+            if frame.decoded is None:
+                try:
+                    frame.decoded = self._decode(frame.msg, topic)
+                except ValueError as error:
+                    reasons.append(str(error))
+                    topics.append(topic)
+                    continue
+            images.append(frame.decoded)
+        if reasons:
+            return Skip(tuple(reasons), tuple(topics))
+
+        self._last_stamps = stamps
+        self._seq += 1
+        image_stamps = tuple(f.stamp for f in frames.values())
+        state_stamp = min(j[1] for j in joints.values())
+        return Observation(
+            images=tuple(images),
+            state=np.array([joints[n][0] for n in self.joint_names], dtype=np.float32),
+            instruction=instruction,
+            stamp=min(min(image_stamps), state_stamp),
+            image_stamps=image_stamps,
+            state_stamp=state_stamp,
+            seq=self._seq,
+        )
+
+    # ---------------------------------------------------------------------- diagnostics
+    def stats(self, now: float) -> dict[str, TopicStats]:
+        """Receive rate, age and count per camera topic and for the joint state topic.
+
+        The joint state age is that of its oldest configured joint (None until all seen).
+        """
+        with self._lock:
+            result = {}
+            for topic, times in self._receive_times.items():
+                # measured up to now, so the rate decays when a topic stops
+                span = max(now, times[-1]) - times[0] if times else 0.0
+                rate = (len(times) - 1) / span if len(times) >= 2 and span > 0 else 0.0
+                if topic == self.joint_state_topic:
+                    seen = [self._joints.get(n) for n in self.joint_names]
+                    age = None if None in seen else now - min(j[1] for j in seen)
+                else:
+                    frame = self._frames.get(topic)
+                    age = None if frame is None else now - frame.stamp
+                result[topic] = TopicStats(rate, age, self._counts[topic])
+            return result

@@ -1,0 +1,197 @@
+"""ros/synchronizer.py: latest-message store, staleness, joint matching by name, monotonicity."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
+from molmobot_policy.types import Observation
+
+CAMERAS = ('/cam0/image_raw', '/cam1/image_raw')
+JOINTS = ('joint_a', 'joint_b', 'finger')
+
+
+def _image(value, encoding='rgb8', height=2, width=3):
+    channels = {'rgb8': 3, 'mono8': 1}[encoding]
+    return SimpleNamespace(height=height, width=width, encoding=encoding,
+                           step=width * channels, data=bytes([value]) * (height * width * channels))
+
+
+def _sync(**kwargs):
+    return ObservationSynchronizer(CAMERAS, JOINTS, joint_state_topic='/joint_states', **kwargs)
+
+
+def _fill(sync, stamp=10.0, value=1):
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(value), stamp, stamp)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], stamp, stamp)
+
+
+def test_fresh_inputs_build_an_observation_in_camera_and_joint_order():
+    sync = _sync()
+    sync.add_image(CAMERAS[1], _image(20), 10.0, 10.0)
+    sync.add_image(CAMERAS[0], _image(10), 10.1, 10.1)
+    sync.add_joint_state(JOINTS, [1.0, 2.0, 3.0], 10.05, 10.05)
+    obs = sync.build(now=10.2, max_image_age=0.5, max_state_age=0.5, instruction='stack')
+    assert isinstance(obs, Observation)
+    assert [int(im[0, 0, 0]) for im in obs.images] == [10, 20]
+    assert obs.images[0].shape == (2, 3, 3) and obs.images[0].dtype == np.uint8
+    np.testing.assert_array_equal(obs.state, np.array([1.0, 2.0, 3.0], np.float32))
+    assert obs.state.dtype == np.float32
+    assert obs.instruction == 'stack'
+    assert obs.image_stamps == (10.1, 10.0) and obs.state_stamp == 10.05
+    assert obs.stamp == 10.0
+
+
+def test_joint_state_is_matched_by_name_not_index():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(['other', 'finger', 'joint_b', 'joint_a'], [9.0, 3.0, 2.0, 1.0],
+                         10.0, 10.0)
+    obs = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    np.testing.assert_array_equal(obs.state, [1.0, 2.0, 3.0])
+
+
+def test_joint_state_split_over_messages_is_merged():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(['joint_a', 'joint_b'], [1.0, 2.0], 10.0, 10.0)
+    sync.add_joint_state(['finger'], [3.0], 10.01, 10.01)
+    obs = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    np.testing.assert_array_equal(obs.state, [1.0, 2.0, 3.0])
+
+
+def test_missing_joint_is_named_in_skip():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(['joint_a', 'joint_b'], [1.0, 2.0], 10.0, 10.0)
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip)
+    assert "'finger'" in str(skip) and '/joint_states' in skip.topics
+
+
+def test_camera_without_any_image_is_named_in_skip():
+    sync = _sync()
+    sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+    sync.add_joint_state(JOINTS, [0, 0, 0], 10.0, 10.0)
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip)
+    assert skip.topics == (CAMERAS[1],)
+    assert CAMERAS[1] in str(skip) and CAMERAS[0] not in str(skip)
+
+
+def test_stale_camera_is_named_with_its_age():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_image(CAMERAS[0], _image(1), 10.9, 10.9)
+    sync.add_joint_state(JOINTS, [0, 0, 0], 10.9, 10.9)
+    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(skip, Skip)
+    assert skip.topics == (CAMERAS[1],)
+    assert 'stale' in str(skip) and 'age 1.000 s' in str(skip)
+
+
+def test_stale_joint_state_is_reported():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.9, 10.9)
+    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(skip, Skip)
+    assert skip.topics == ('/joint_states',) and 'stale' in str(skip)
+
+
+def test_age_limit_is_inclusive_and_images_and_state_have_separate_limits():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    assert isinstance(sync.build(now=10.5, max_image_age=0.5, max_state_age=1.0), Observation)
+    assert isinstance(sync.build(now=10.6, max_image_age=1.0, max_state_age=0.5), Skip)
+
+
+def test_older_message_does_not_replace_a_newer_one():
+    sync = _sync()
+    _fill(sync, stamp=10.0, value=5)
+    assert sync.add_image(CAMERAS[0], _image(99), 9.0, 10.1) is False
+    obs = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert int(obs.images[0][0, 0, 0]) == 5 and obs.image_stamps[0] == 10.0
+
+
+def test_never_returns_an_observation_older_than_one_already_used():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    first = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    sync.add_image(CAMERAS[0], _image(3), 9.5, 10.2)           # out of order: ignored
+    sync.add_joint_state(JOINTS, [5.0, 5.0, 5.0], 9.5, 10.2)   # out of order: ignored
+    second = sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)
+    assert second.stamp >= first.stamp
+    assert all(b >= a for a, b in zip(first.image_stamps, second.image_stamps))
+    np.testing.assert_array_equal(second.state, first.state)
+
+
+def test_seq_increases_with_every_observation():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    seqs = [sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0).seq for _ in range(3)]
+    assert seqs == [1, 2, 3]
+
+
+def test_frames_are_decoded_lazily_and_only_when_used():
+    decoded = []
+
+    def decode(msg, topic):
+        decoded.append(topic)
+        return np.zeros((1, 1, 3), np.uint8)
+
+    sync = _sync(decode=decode)
+    for stamp in (10.0, 10.1, 10.2):
+        _fill(sync, stamp=stamp)
+    assert decoded == []
+    sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)
+    sync.build(now=10.3, max_image_age=1.0, max_state_age=1.0)
+    assert decoded == list(CAMERAS)      # newest frames only, each decoded once
+
+
+def test_undecodable_frame_skips_the_tick_naming_the_topic():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    bad = _image(1)
+    bad.encoding = 'yuv422'
+    sync.add_image(CAMERAS[1], bad, 10.1, 10.1)
+    skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip)
+    assert skip.topics == (CAMERAS[1],) and "'yuv422'" in str(skip)
+
+
+def test_mismatched_joint_state_lengths_raise():
+    with pytest.raises(ValueError, match='2 names but 1 positions'):
+        _sync().add_joint_state(['joint_a', 'joint_b'], [1.0], 10.0, 10.0)
+
+
+def test_unknown_camera_topic_raises():
+    with pytest.raises(KeyError, match='/cam9'):
+        _sync().add_image('/cam9', _image(1), 10.0, 10.0)
+
+
+def test_bad_configuration_is_rejected():
+    with pytest.raises(ValueError, match='camera_topics has duplicates'):
+        ObservationSynchronizer(['/a', '/a'], JOINTS)
+    with pytest.raises(ValueError, match='joint_names is empty'):
+        ObservationSynchronizer(['/a'], [])
+
+
+def test_stats_report_rate_age_and_count_per_topic():
+    sync = _sync()
+    for k in range(11):
+        t = 10.0 + 0.1 * k
+        sync.add_image(CAMERAS[0], _image(1), t, t)
+        sync.add_joint_state(JOINTS, [0, 0, 0], t, t)
+    stats = sync.stats(now=11.0)
+    assert stats[CAMERAS[0]].rate_hz == pytest.approx(10.0)
+    assert stats[CAMERAS[0]].age == pytest.approx(0.0)
+    assert stats[CAMERAS[0]].count == 11
+    assert stats[CAMERAS[1]].count == 0 and stats[CAMERAS[1]].age is None
+    assert stats['/joint_states'].rate_hz == pytest.approx(10.0)
+    assert sync.stats(now=13.0)[CAMERAS[0]].rate_hz == pytest.approx(10 / 3.0)
