@@ -24,6 +24,7 @@ class VitConfig:
     num_layers: int = 27             # depth of the pretrained ViT
     norm_eps: float = 1e-6
     vit_layers: tuple[int, ...] = (-3, -9)   # block outputs concatenated, in this order
+    skip_unused_layers: bool = True  # build only the blocks up to the deepest one used
 
     @property
     def grid(self) -> int:
@@ -46,7 +47,9 @@ class VitConfig:
 
     @property
     def num_built_layers(self) -> int:
-        """Blocks actually built (`skip_unused_layers`): up to the deepest one used."""
+        """Blocks actually built: up to the deepest one used (`skip_unused_layers`), else all."""
+        if not self.skip_unused_layers:
+            return self.num_layers
         return max(self.layer_indices) + 1
 
 
