@@ -1,0 +1,22 @@
+"""Timing core of the policy node: schedule, latency lead, chunk stitching, statistics.
+
+Timing model (DESIGN.md, "Timing model"): the policy runs on a fixed period with absolute
+deadlines `t0 + k * period` (`DeadlineScheduler`); inference for a tick starts `lead`
+seconds before its deadline, the lead being a high quantile of measured warm inference
+latency times a margin (`LatencyEstimator`); a tick whose start time has passed is skipped
+and counted, never made up with a burst. An observation not newer than the last one used
+is refused (`ObservationGate`). The chunk published at the deadline is stamped with when
+each action executes; actions already in the past are dropped from the front and the new
+chunk is joined to the previous one without pause, jump back or step (`ChunkStitcher`).
+Jitter, latency and ages are summarized over a rolling window (`RollingStats`).
+
+Pure python + numpy, no rclpy: every time is a float in seconds passed in by the caller
+(ROS time, so simulated time works), which keeps all of it testable with a fake clock.
+"""
+from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
+from molmobot_policy.timing.latency import LatencyEstimator
+from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
+from molmobot_policy.timing.stats import RollingStats
+
+__all__ = ['ChunkStitcher', 'DeadlineScheduler', 'LatencyEstimator', 'MissedTicks',
+           'ObservationGate', 'RollingStats', 'StitchedChunk', 'Tick']

@@ -1,0 +1,112 @@
+"""Inference latency estimate that sets the scheduler's lead.
+
+Timing model (DESIGN.md, "Timing model"): inference for a tick starts `lead` seconds
+before the tick's deadline so that the chunk is ready when it is due. The lead is a high
+quantile of recently measured warm inference latencies times a safety margin:
+
+    lead = quantile_q(last `window` warm samples) * margin
+
+Warm-up samples (first calls, compilation, CUDA graph capture) are recorded with
+`warm=False` and ignored: they say nothing about steady-state latency. Until
+`min_samples` warm samples have been seen, the configured `initial` lead is returned.
+The quantile is numpy's default (linear interpolation between order statistics,
+Hyndman & Fan type 7). Plain python + numpy; thread-safe (one lock).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+
+import numpy as np
+
+
+class LatencyEstimator:
+    """Rolling high-quantile estimate of inference latency, in seconds.
+
+    Args:
+        window: number of most recent warm samples kept (int >= 1).
+        quantile: which quantile of the window (0 < quantile <= 1), e.g. 0.99.
+        margin: multiplier applied to the quantile (>= 1.0 is sensible; must be > 0).
+        min_samples: warm samples needed before the estimate replaces `initial`
+            (1 <= min_samples <= window).
+        initial: seconds (>= 0); the lead returned until `min_samples` warm samples.
+            Set it from a known latency (e.g. the engine's warm-up timing).
+
+    Raises:
+        ValueError: any argument outside the ranges above.
+    """
+
+    def __init__(self, window: int = 50, quantile: float = 0.99, margin: float = 1.2,
+                 min_samples: int = 5, initial: float = 0.1):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f'window must be an int >= 1, got {window!r}')
+        if not (isinstance(quantile, (int, float)) and 0.0 < quantile <= 1.0):
+            raise ValueError(f'quantile must be in (0, 1], got {quantile!r}')
+        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0.0):
+            raise ValueError(f'margin must be a finite number > 0, got {margin!r}')
+        if (isinstance(min_samples, bool) or not isinstance(min_samples, int)
+                or not 1 <= min_samples <= window):
+            raise ValueError(
+                f'min_samples must be an int in [1, window={window}], got {min_samples!r}')
+        if not (isinstance(initial, (int, float)) and math.isfinite(initial) and initial >= 0.0):
+            raise ValueError(f'initial must be a finite number of seconds >= 0, got {initial!r}')
+        self.window = int(window)
+        self.quantile = float(quantile)
+        self.margin = float(margin)
+        self.min_samples = int(min_samples)
+        self.initial = float(initial)
+        self._samples: deque[float] = deque(maxlen=self.window)
+        self._ignored = 0
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float, warm: bool = True) -> None:
+        """Record one measured inference latency.
+
+        Args:
+            seconds: latency in seconds (finite, >= 0).
+            warm: False for warm-up / compilation calls; those are counted and ignored.
+        Raises:
+            ValueError: seconds negative or not finite.
+        """
+        try:
+            seconds = float(seconds)
+        except (TypeError, ValueError):
+            raise ValueError(f'latency must be a number of seconds, got {seconds!r}') from None
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ValueError(f'latency must be a finite number of seconds >= 0, got {seconds!r}')
+        with self._lock:
+            if warm:
+                self._samples.append(seconds)
+            else:
+                self._ignored += 1
+
+    @property
+    def count(self) -> int:
+        """Number of warm samples currently in the window."""
+        with self._lock:
+            return len(self._samples)
+
+    @property
+    def ignored(self) -> int:
+        """Number of non-warm samples ignored so far."""
+        with self._lock:
+            return self._ignored
+
+    def estimate(self) -> float:
+        """The configured quantile of the warm samples in the window, seconds (no margin).
+
+        Returns nan while fewer than `min_samples` warm samples have been recorded.
+        """
+        with self._lock:
+            if len(self._samples) < self.min_samples:
+                return math.nan
+            return float(np.quantile(np.fromiter(self._samples, float), self.quantile))
+
+    def lead(self) -> float:
+        """Seconds to start inference before the deadline: estimate() * margin.
+
+        Returns `initial` until `min_samples` warm samples have been recorded.
+        """
+        q = self.estimate()
+        return self.initial if math.isnan(q) else q * self.margin

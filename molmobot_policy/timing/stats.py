@@ -1,0 +1,143 @@
+"""Rolling statistics for the timing measurements reported on /diagnostics.
+
+Timing model (DESIGN.md, "Timing model"): publish-time jitter (actual publish time minus
+the tick deadline), inference latency, sensor-to-publish age and missed deadlines are
+measured continuously. Each measured quantity goes into one `RollingStats`, which keeps
+the last `window` samples and reports p50 / p99 / max / mean / min over them; the node
+converts the `summary()` into diagnostic key-values. Units are the caller's (the node
+adds seconds and reports milliseconds via `summary(scale=1000.0)`).
+
+Quantiles use numpy's default (linear interpolation between order statistics, Hyndman &
+Fan type 7). With no samples every statistic is nan (count 0), never an exception.
+Plain python + numpy; thread-safe (one lock): the worker adds, a timer reads.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+
+class RollingStats:
+    """Statistics over the last `window` samples of one quantity.
+
+    Args:
+        window: number of most recent samples kept (int >= 1).
+
+    Raises:
+        ValueError: window not an int >= 1.
+    """
+
+    def __init__(self, window: int = 1000):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f'window must be an int >= 1, got {window!r}')
+        self.window = window
+        self._buffer = np.zeros(window, dtype=np.float64)  # ring buffer
+        self._count = 0     # samples currently held (<= window)
+        self._next = 0      # ring position of the next sample
+        self._total = 0     # samples ever added
+        self._lock = threading.Lock()
+
+    def add(self, x: float) -> None:
+        """Add one sample (a finite number), evicting the oldest when the window is full.
+
+        Raises:
+            ValueError: x not a finite number.
+        """
+        try:
+            value = float(x)
+        except (TypeError, ValueError):
+            raise ValueError(f'sample must be a finite number, got {x!r}') from None
+        if not math.isfinite(value):
+            raise ValueError(f'sample must be a finite number, got {x!r}')
+        with self._lock:
+            self._buffer[self._next] = value
+            self._next = (self._next + 1) % self.window
+            self._count = min(self._count + 1, self.window)
+            self._total += 1
+
+    def values(self) -> np.ndarray:
+        """float64 (count,), the samples in the window, oldest first (a copy)."""
+        with self._lock:
+            return self._ordered()
+
+    def _ordered(self) -> np.ndarray:
+        # caller holds the lock
+        if self._count < self.window:
+            return self._buffer[:self._count].copy()
+        return np.concatenate([self._buffer[self._next:], self._buffer[:self._next]])
+
+    def clear(self) -> None:
+        """Drop every sample (total included)."""
+        with self._lock:
+            self._count = self._next = self._total = 0
+
+    @property
+    def count(self) -> int:
+        """Number of samples in the window."""
+        return self._count
+
+    @property
+    def total(self) -> int:
+        """Number of samples ever added (not limited by the window)."""
+        return self._total
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile (0 <= q <= 1) of the window; nan when empty.
+
+        Raises:
+            ValueError: q outside [0, 1].
+        """
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f'quantile must be in [0, 1], got {q!r}')
+        values = self.values()
+        return float(np.quantile(values, q)) if values.size else math.nan
+
+    @property
+    def p50(self) -> float:
+        """Median of the window; nan when empty."""
+        return self.quantile(0.5)
+
+    @property
+    def p99(self) -> float:
+        """99th percentile of the window; nan when empty."""
+        return self.quantile(0.99)
+
+    @property
+    def max(self) -> float:
+        """Largest sample in the window; nan when empty."""
+        values = self.values()
+        return float(values.max()) if values.size else math.nan
+
+    @property
+    def min(self) -> float:
+        """Smallest sample in the window; nan when empty."""
+        values = self.values()
+        return float(values.min()) if values.size else math.nan
+
+    @property
+    def mean(self) -> float:
+        """Arithmetic mean of the window; nan when empty."""
+        values = self.values()
+        return float(values.mean()) if values.size else math.nan
+
+    def summary(self, scale: float = 1.0) -> dict:
+        """All statistics of one consistent snapshot of the window.
+
+        Args:
+            scale: factor applied to every value statistic (e.g. 1000.0 for s -> ms).
+        Returns:
+            {'count': int, 'total': int, 'p50', 'p99', 'max', 'min', 'mean': float};
+            the floats are nan when the window is empty.
+        """
+        with self._lock:
+            total, values = self._total, self._ordered()
+        if values.size == 0:
+            stats = dict.fromkeys(('p50', 'p99', 'max', 'min', 'mean'), math.nan)
+        else:
+            p50, p99 = np.quantile(values, [0.5, 0.99])
+            stats = {'p50': float(p50), 'p99': float(p99), 'max': float(values.max()),
+                     'min': float(values.min()), 'mean': float(values.mean())}
+        return {'count': int(values.size), 'total': total,
+                **{key: value * scale for key, value in stats.items()}}
