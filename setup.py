@@ -21,7 +21,6 @@ setup(
     maintainer_email='maintainers@molmobot-policy.invalid',
     description='ROS 2 policy node for the MolmoBot vision-language-action model',
     license='Apache-2.0',
-    tests_require=['pytest'],
     entry_points={
         'console_scripts': [
             'policy_node = molmobot_policy.ros.node:main',

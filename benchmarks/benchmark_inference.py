@@ -1,0 +1,226 @@
+"""Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets -> +fp8.
+
+Builds the full-size MolmoBot with random weights (preset `molmobot-4b-8cam`: 8 cameras
+480x640, 14-D state and actions, horizon 16, 10 flow steps) once, then times each rung of
+the ladder in the same process on the same weights:
+
+  generate_actions: the device part of a query (ViT + connector + LLM + action expert,
+                    inputs already on the device); what the published numbers measure.
+  full query:       `PolicyEngine.predict` from 8 raw uint8 480x640 frames + raw state to
+                    unnormalized actions on the host (upload, resize on the GPU, model,
+                    download).
+
+Per rung: median / p99 / max ms of both, peak and reserved GPU memory, speed-up over eager,
+warm-up (compile + capture) seconds, and the deviation of its actions from the eager
+bf16 rung on the same inputs and noise (max / mean |delta| over the normalized action range
+of 2). Then the zero-recompile check: instructions of 1..200 words after warm-up.
+
+    python benchmarks/benchmark_inference.py --out benchmarks/out/inference.json
+    python benchmarks/benchmark_inference.py --preset tiny --device cpu --rungs eager,compile
+
+Prints a table last; writes every number as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from molmobot_policy.model.checkpoint import init_random_  # noqa: E402
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+from molmobot_policy.model.molmobot import MolmoBot  # noqa: E402
+from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
+from molmobot_policy.types import Observation  # noqa: E402
+
+INSTRUCTION = 'pick up the red cube and put it in the bowl'
+
+
+def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, dict]:
+    base = dict(device=device, dtype='bfloat16')
+    cuda = device.startswith('cuda')
+    return {
+        'eager': dict(base, kv_cache=False),
+        'compile': dict(base, kv_cache=False, compile=True, buckets=(pad,)),
+        '+cuda_graphs': dict(base, kv_cache=False, compile=True, buckets=(pad,), cuda_graphs=cuda),
+        '+kv_cache': dict(base, compile=True, buckets=(pad,), cuda_graphs=cuda),
+        '+buckets': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda),
+        '+fp8': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda, quantize='fp8'),
+        '+fp8_tensor': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda,
+                            quantize='fp8-tensor'),
+    }
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    a = np.asarray(samples, dtype=np.float64)
+    return {'median': float(np.median(a)), 'p99': float(np.percentile(a, 99)),
+            'max': float(a.max()), 'n': int(a.size)}
+
+
+def sync(device: str) -> None:
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
+
+
+def time_calls(fn, iters: int, device: str) -> list[float]:
+    out = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def make_observation(cfg: MolmoBotConfig, cameras: int, seed: int) -> Observation:
+    rng = np.random.default_rng(seed)
+    frames = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(cameras))
+    state = rng.uniform(-0.5, 0.5, cfg.state_dim).astype(np.float32)
+    return Observation(images=frames, state=state, instruction=INSTRUCTION)
+
+
+def run_rung(name: str, model: MolmoBot, kwargs: dict, obs: Observation, noise: np.ndarray,
+             iters: int, device: str) -> dict:
+    if device.startswith('cuda'):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = PolicyEngine(EngineConfig(instruction=INSTRUCTION, **kwargs), model=model)
+    engine.warmup(progress=lambda msg: print(f'  [{name}] {msg}', flush=True))
+    warm_s = time.perf_counter() - t0
+    with torch.inference_mode():
+        text = engine.text_inputs(INSTRUCTION)
+        images = engine._images_to_device(obs.images)
+        states = engine._states_to_device(obs.state)
+        noise_t = torch.as_tensor(noise, device=device)[None]
+        reference = engine._run(text, images, states, noise_t)[0].float().cpu().numpy()
+        model_iters = iters if kwargs.get('cuda_graphs') or kwargs.get('compile') else max(
+            5, iters // 5)
+        gen = time_calls(lambda: engine._run(text, images, states, noise_t), model_iters, device)
+    query = time_calls(lambda: engine.predict(obs), model_iters, device)
+    row = {'rung': name, 'config': {k: (list(v) if isinstance(v, tuple) else v)
+                                    for k, v in kwargs.items()},
+           'fp8': engine.fp8, 'bucket': text.bucket, 'prompt_tokens': text.length,
+           'warmup_s': warm_s, 'generate_actions_ms': percentiles(gen),
+           'full_query_ms': percentiles(query), 'actions_normalized': reference.tolist()}
+    if device.startswith('cuda'):
+        row['peak_gb'] = torch.cuda.max_memory_allocated() / 2**30
+        row['reserved_gb'] = torch.cuda.memory_reserved() / 2**30
+    row['engine'] = engine
+    return row
+
+
+def recompile_check(engine: PolicyEngine, obs: Observation, max_words: int = 200) -> dict:
+    """Instructions of 1..max_words words after warm-up: counts Dynamo compiles."""
+    from torch._dynamo.utils import counters
+    before = dict(counters['stats'])
+    words = ('pick up the red cube and place it gently inside the blue bowl on the left '
+             'side of the table ').split()
+    lengths, errors = [], 0
+    for n in range(1, max_words + 1, 7):
+        text = ' '.join(words[i % len(words)] for i in range(n))
+        try:
+            engine.predict(Observation(images=obs.images, state=obs.state, instruction=text))
+            lengths.append(engine.text_inputs(text).length)
+        except ValueError:
+            errors += 1          # longer than the largest bucket: rejected, by design
+    after = dict(counters['stats'])
+    return {'instructions': len(lengths) + errors, 'rejected_overlong': errors,
+            'prompt_tokens_min': min(lengths) if lengths else 0,
+            'prompt_tokens_max': max(lengths) if lengths else 0,
+            'new_unique_graphs': after.get('unique_graphs', 0) - before.get('unique_graphs', 0),
+            'new_calls_captured': after.get('calls_captured', 0) - before.get('calls_captured', 0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--preset', default='molmobot-4b-8cam')
+    ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,+fp8')
+    ap.add_argument('--iters', type=int, default=50)
+    ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')
+    ap.add_argument('--buckets', default='auto', help="comma list, or 'auto'")
+    ap.add_argument('--recompile-check', action='store_true')
+    ap.add_argument('--out', default='benchmarks/out/inference.json')
+    args = ap.parse_args()
+
+    device = args.device
+    cfg = MolmoBotConfig.from_name(args.preset)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = MolmoBot(cfg)
+    init_random_(model, seed=0)
+    model.to(dtype=torch.bfloat16).eval().requires_grad_(False)
+    build_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f'built {args.preset}: {n_params / 1e9:.3f} B parameters in {build_s:.1f} s', flush=True)
+
+    obs = make_observation(cfg, cfg.max_images, seed=1)
+    noise = np.random.default_rng(2).standard_normal(
+        (cfg.action_horizon, cfg.action_dim)).astype(np.float32)
+    if args.buckets == 'auto':
+        probe = PolicyEngine(EngineConfig(device=device, dtype='bfloat16', model=args.preset,
+                                          instruction=INSTRUCTION), model=model)
+        length = probe.text_inputs(INSTRUCTION).length
+        base = probe.text_inputs('x').length
+        buckets = tuple(sorted({-(-(base + extra) // 64) * 64 for extra in (32, 96, 224)}))
+        del probe
+        print(f'prompt: {length} tokens for the benchmark instruction; auto buckets {buckets}')
+    else:
+        buckets = tuple(int(b) for b in args.buckets.split(','))
+
+    configs = rung_configs(device, buckets, args.pad)
+    rows, last_engine = [], None
+    for name in args.rungs.split(','):
+        print(f'rung {name} ...', flush=True)
+        row = run_rung(name, model, configs[name], obs, noise, args.iters, device)
+        last_engine = row.pop('engine')
+        rows.append(row)
+        g, q = row['generate_actions_ms'], row['full_query_ms']
+        print(f'  {name}: generate_actions median {g["median"]:.2f} ms p99 {g["p99"]:.2f}; '
+              f'full query median {q["median"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s', flush=True)
+
+    eager = next((r for r in rows if r['rung'] == 'eager'), rows[0])
+    ref = np.asarray(eager['actions_normalized'])
+    for r in rows:
+        a = np.asarray(r['actions_normalized'])
+        dev = np.abs(a - ref) / 2.0          # normalized action range is [-1, 1]
+        r['action_dev_max_pct'] = float(dev.max() * 100)
+        r['action_dev_mean_pct'] = float(dev.mean() * 100)
+        r['speedup_vs_eager'] = eager['generate_actions_ms']['median'] / \
+            r['generate_actions_ms']['median']
+    result = {'date': datetime.now(timezone.utc).isoformat(timespec='seconds'),
+              'command': ' '.join(sys.argv), 'host': platform.node(),
+              'gpu': torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
+              'torch': torch.__version__, 'preset': args.preset, 'params_b': n_params / 1e9,
+              'buckets': list(buckets), 'rows': rows}
+    if args.recompile_check and last_engine is not None:
+        result['recompile_check'] = recompile_check(last_engine, obs)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump(result, f, indent=1)
+
+    print(f'\n{result["gpu"]}, torch {result["torch"]}, {args.preset}, {result["date"]}')
+    head = (f'{"rung":<13}{"gen med":>9}{"gen p99":>9}{"gen max":>9}{"query med":>10}'
+            f'{"query p99":>10}{"x eager":>8}{"peak GB":>8}{"warm s":>8}{"dev max%":>9}')
+    print(head)
+    for r in rows:
+        g, q = r['generate_actions_ms'], r['full_query_ms']
+        print(f'{r["rung"]:<13}{g["median"]:>9.2f}{g["p99"]:>9.2f}{g["max"]:>9.2f}'
+              f'{q["median"]:>10.2f}{q["p99"]:>10.2f}{r["speedup_vs_eager"]:>8.2f}'
+              f'{r.get("peak_gb", 0):>8.1f}{r["warmup_s"]:>8.1f}{r["action_dev_max_pct"]:>9.3f}')
+    if 'recompile_check' in result:
+        print('recompile check:', result['recompile_check'])
+
+
+if __name__ == '__main__':
+    main()

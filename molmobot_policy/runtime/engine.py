@@ -1,0 +1,494 @@
+"""The inference engine: `PolicyEngine.predict(observation) -> ActionChunk`.
+
+Owns device placement, dtype, padding buckets, compile, CUDA graphs, fp8 and timing; the
+model (`molmobot_policy.model`) and the preprocessing (`molmobot_policy.preprocess`) stay
+plain. No rclpy here (DESIGN.md layers).
+
+One query, on the serving device:
+  raw uint8 frames -> 378x378 resize + patchify (on the device) -> ViT + connector -> LLM
+  (every block's output, no ln_f / LM head) -> action-expert context (K/V computed once) ->
+  `flow_steps` Euler steps with precomputed time conditioning -> unnormalize on the host.
+The text side (prompt ids, <im_patch> positions, pooling indices) depends only on the
+instruction and the camera count, so it is built once per instruction and cached.
+With `buckets`, the prompt is right-padded to the smallest bucket that fits and the
+padding is masked out of the action expert's cross-attention (causal attention already
+hides it from real tokens), so every bucket is one fixed shape: compiled and captured at
+warm-up, never while serving.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.runtime.graphs import StaticRunner
+from molmobot_policy.types import ActionChunk, Observation
+
+log = logging.getLogger('molmobot_policy.engine')
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
+OVERLONG_MODES = ('error', 'truncate')
+
+
+@dataclass
+class EngineConfig:
+    """Engine options; every field is also a node parameter of the same name.
+
+    Attributes:
+        model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
+        checkpoint_path: upstream checkpoint directory (config.yaml + model.pt/safetensors).
+        tokenizer_path: Qwen tokenizer.json (file or directory); default: beside the checkpoint.
+        device: 'cpu', 'cuda', 'cuda:1', ...
+        dtype: serving dtype of the weights: 'float32' or 'bfloat16'.
+        seed: seed of the random weights (no checkpoint) and of the flow noise.
+        flow_steps: Euler steps; 0 = the model config's (10 upstream).
+        num_cameras: images per observation; 0 = the model's max_images.
+        compile: torch.compile every repeated block (inductor, regional compilation);
+            note: compiles the (possibly shared) model in place.
+        cuda_graphs: capture each bucket's query as one CUDA graph (CUDA only).
+        kv_cache: compute the action expert's cross-attention context once per query
+            (False recomputes it every flow step; for comparison only).
+        buckets: fixed prompt lengths (tokens) to pad to; empty = no padding (eager only).
+        overlong: what to do with a prompt longer than the largest bucket: 'error' or
+            'truncate' (words are cut from the end of the instruction until it fits).
+        quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
+        instruction: default instruction, used when an observation carries none.
+        gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
+            of one action dimension (index -1 = off), in robot units.
+    """
+
+    model: str = 'tiny'
+    checkpoint_path: str = ''
+    tokenizer_path: str = ''
+    device: str = 'cpu'
+    dtype: str = 'float32'
+    seed: int = 0
+    flow_steps: int = 0
+    num_cameras: int = 0
+    compile: bool = False
+    cuda_graphs: bool = False
+    kv_cache: bool = True
+    buckets: tuple[int, ...] = ()
+    overlong: str = 'error'
+    quantize: str = 'none'
+    instruction: str = ''
+    gripper_index: int = -1
+    gripper_threshold: float = 0.0
+    gripper_open: float = 0.0
+    gripper_closed: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f'dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}')
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f'quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}')
+        if self.overlong not in OVERLONG_MODES:
+            raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
+        self.buckets = tuple(sorted(int(b) for b in self.buckets))
+        if any(b <= 0 for b in self.buckets):
+            raise ValueError(f'buckets must be positive token counts, got {self.buckets}')
+        if self.cuda_graphs and not self.buckets:
+            raise ValueError('cuda_graphs needs fixed shapes: set buckets (e.g. [2048])')
+        if self.cuda_graphs and not self.device.startswith('cuda'):
+            raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
+        if self.quantize != 'none' and not self.device.startswith('cuda'):
+            raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')
+
+
+def compile_repeated_blocks_(model) -> int:
+    """torch.compile each repeated block (ViT resblocks, LLM blocks, action-expert blocks).
+
+    Regional compilation: blocks of one kind share code, so Dynamo traces each kind once
+    and reuses the compiled graph for every instance (parameters are graph inputs), which
+    keeps compile time to seconds for the full-size model; the CUDA graph captured around
+    the whole query (`cuda_graphs`) removes the launch gaps between blocks. In place, and
+    idempotent. Returns the number of blocks compiled now.
+    """
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    groups = (model.vision_backbone.image_vit.transformer.resblocks,
+              model.transformer.blocks, model.action_expert.blocks)
+    count = 0
+    for blocks in groups:
+        for block in blocks:
+            if not getattr(block, '_molmobot_compiled', False):
+                block.compile(dynamic=False, fullgraph=True)
+                block._molmobot_compiled = True
+                count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """The instruction-dependent half of a query, padded to its bucket (device tensors).
+
+    input_ids int64 (1, L); attention_mask bool (1, L) (False = padding); position_ids int64
+    (1, L); image_positions int64 (1, N*196); token_pooling int64 (1, N*196, 4);
+    length: real (unpadded) prompt length; bucket: L (0 when unpadded).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    image_positions: torch.Tensor
+    token_pooling: torch.Tensor
+    length: int
+    bucket: int
+
+
+class PolicyEngine:
+    """Serves one MolmoBot model: `predict(observation) -> ActionChunk`.
+
+    Args:
+        config: EngineConfig.
+        model: optional already-built `MolmoBot` (shares weights between engines, e.g. in
+            benchmarks); its dtype/device must match the config.
+
+    Raises:
+        ValueError / FileNotFoundError: bad configuration (named field), at construction.
+    """
+
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        from molmobot_policy.model import checkpoint as ckpt
+        from molmobot_policy.model.molmobot import MolmoBot
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        start = time.perf_counter()
+        if model is not None:
+            self.model = model
+            self.model_config = model.config
+        elif config.checkpoint_path:
+            self.model, self.model_config = ckpt.load_checkpoint(
+                config.checkpoint_path, device=self.device, dtype=self.dtype)
+        else:
+            self.model_config = MolmoBotConfig.from_name(config.model)
+            with torch.device(self.device):
+                self.model = MolmoBot(self.model_config)
+            ckpt.init_random_(self.model, config.seed)
+            self.model.to(dtype=self.dtype)
+        self.model.eval().requires_grad_(False)
+        self.load_seconds = time.perf_counter() - start
+        mcfg = self.model_config
+        self.num_cameras = config.num_cameras or mcfg.max_images
+        if self.num_cameras > mcfg.max_images:
+            raise ValueError(f'num_cameras={self.num_cameras} exceeds the checkpoint\'s max_images='
+                             f'{mcfg.max_images}; use at most {mcfg.max_images} cameras')
+        self.flow_steps = config.flow_steps or mcfg.flow_steps
+        self._build_preprocessing()
+        self.fp8 = 'none'
+        if config.quantize != 'none':
+            from molmobot_policy.model.fp8 import quantize_llm_fp8_
+            wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
+            self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
+        self._conditioning = self._precompute_conditioning()
+        self._text_cache: dict[str, TextInputs] = {}
+        self._runners: dict[int, StaticRunner] = {}
+        self._query_fn = self._make_query_fn()
+        self._noise_generator = torch.Generator().manual_seed(config.seed)
+        self.warmup_seconds = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def _build_preprocessing(self) -> None:
+        from molmobot_policy.preprocess import images as pimages
+        from molmobot_policy.preprocess import prompt as pprompt
+        from molmobot_policy.preprocess import tokenizer as ptok
+        from molmobot_policy.preprocess.normalize import QuantileNormalizer
+
+        mcfg = self.model_config
+        self._pimages, self._pprompt = pimages, pprompt
+        if self.config.checkpoint_path or self.config.tokenizer_path:
+            path = self.config.tokenizer_path or self.config.checkpoint_path
+            self.tokenizer = ptok.load_tokenizer(path, mcfg.tokens)
+        else:
+            self.tokenizer = ptok.tiny_tokenizer()
+        stats = mcfg.norm_stats
+        if stats is None:   # random full-size presets: identity normalization
+            ones = [1.0] * mcfg.state_dim
+            stats_state = ([-1.0] * mcfg.state_dim, ones)
+            stats_action = ([-1.0] * mcfg.action_dim, [1.0] * mcfg.action_dim)
+        else:
+            stats_state = (stats.state_q01, stats.state_q99)
+            stats_action = (stats.action_q01, stats.action_q99)
+        self.state_normalizer = QuantileNormalizer(*stats_state)
+        self.action_normalizer = QuantileNormalizer(*stats_action)
+        self._pooling = torch.as_tensor(
+            pimages.pooling_indices(self.num_cameras), device=self.device)[None]
+
+    def _precompute_conditioning(self) -> list:
+        """AdaLN parameters of every block for each fixed flow time i/steps (computed once)."""
+        ae = self.model.action_expert
+        steps = self.flow_steps
+        with torch.inference_mode():
+            return [ae.time_conditioning(torch.full((1,), i / steps, device=self.device,
+                                                    dtype=torch.float32))
+                    for i in range(steps)]
+
+    def _make_query_fn(self) -> Callable[..., torch.Tensor]:
+        """The device part of one query as one function of tensors (compiled if asked)."""
+        model, ae = self.model, self.model.action_expert
+        layer_ids = list(self.model_config.ae_layer_ids)
+        conditioning, steps = self._conditioning, self.flow_steps
+        kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
+
+        def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
+                  images, states, noise):
+            hidden = model.llm_hidden_states(
+                input_ids, images, token_pooling, position_ids=position_ids,
+                attention_mask=attention_mask, image_positions=image_positions)
+            hidden = hidden[layer_ids] if len(layer_ids) != hidden.shape[0] else hidden
+            x = noise
+            if kv_cache:
+                ctx = ae.prepare_context(hidden, attention_mask, states)
+                for i in range(steps):
+                    x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx)
+            else:
+                for i in range(steps):
+                    t = torch.full((x.shape[0],), i / steps, device=x.device)
+                    x = x + dt * ae(x, t, hidden, attention_mask, states)
+            return x.float()
+
+        if self.config.compile:
+            compile_repeated_blocks_(self.model)
+        return query
+
+    # ------------------------------------------------------------------ text side
+    def text_inputs(self, instruction: str) -> TextInputs:
+        """Prompt for `instruction`, padded to its bucket; cached per instruction.
+
+        Raises:
+            ValueError: empty instruction, or a prompt longer than the largest bucket when
+                `overlong='error'`.
+        """
+        cached = self._text_cache.get(instruction)
+        if cached is not None:
+            return cached
+        mcfg = self.model_config
+        ids = self._prompt_ids(instruction)
+        length, bucket = len(ids), 0
+        if self.config.buckets:
+            largest = self.config.buckets[-1]
+            if length > largest:
+                if self.config.overlong == 'error':
+                    raise ValueError(
+                        f'instruction too long: the prompt has {length} tokens, the largest '
+                        f'bucket is {largest} (shorten the instruction, add a larger bucket, or '
+                        f"set overlong='truncate')")
+                words = instruction.split()
+                while len(words) > 1 and length > largest:   # drop words from the end
+                    words.pop()
+                    ids = self._prompt_ids(' '.join(words))
+                    length = len(ids)
+                if length > largest:
+                    raise ValueError(f'the prompt needs {length} tokens even with a one-word '
+                                     f'instruction; the largest bucket is {largest}')
+                log.warning('instruction truncated to %d words to fit bucket %d',
+                            len(words), largest)
+            bucket = next(b for b in self.config.buckets if b >= length)
+        total = bucket or length
+        padded = np.full(total, mcfg.tokens.bos, dtype=np.int64)   # pad id: any valid id
+        padded[:length] = ids
+        mask = np.zeros(total, dtype=bool)
+        mask[:length] = True
+        positions = np.minimum(np.arange(total), length - 1)
+        image_positions = self._pprompt.image_token_positions(ids, mcfg.tokens)
+        dev = self.device
+        text = TextInputs(
+            input_ids=torch.as_tensor(padded, device=dev)[None],
+            attention_mask=torch.as_tensor(mask, device=dev)[None],
+            position_ids=torch.as_tensor(positions, device=dev)[None],
+            image_positions=torch.as_tensor(np.asarray(image_positions, np.int64), device=dev)[None],
+            token_pooling=self._pooling, length=length, bucket=bucket)
+        self._text_cache[instruction] = text
+        return text
+
+    def _prompt_ids(self, instruction: str) -> np.ndarray:
+        mcfg = self.model_config
+        return np.asarray(self._pprompt.build_prompt_ids(
+            self.tokenizer, mcfg.tokens, self.num_cameras, mcfg.tokens_per_image, instruction),
+            dtype=np.int64)
+
+    # ------------------------------------------------------------------ serving
+    def _images_to_device(self, images) -> torch.Tensor:
+        """N uint8 (H, W, 3) frames -> uint8 (1, N, 729, 588) on the device (resize there)."""
+        if len(images) != self.num_cameras:
+            raise ValueError(f'observation has {len(images)} images, the engine expects '
+                             f'{self.num_cameras} (num_cameras)')
+        out = []
+        for k, img in enumerate(images):
+            if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 \
+                    or img.shape[2] != 3:
+                raise ValueError(f'image {k}: expected uint8 (H, W, 3) RGB, got '
+                                 f'{getattr(img, "dtype", type(img))} {getattr(img, "shape", "")}')
+            frame = torch.from_numpy(np.ascontiguousarray(img)).to(self.device, non_blocking=True)
+            out.append(self._pimages.resize_and_patchify(frame[None])[0])
+        return torch.stack(out)[None]
+
+    def _states_to_device(self, state: np.ndarray) -> torch.Tensor:
+        mcfg = self.model_config
+        state = np.asarray(state, dtype=np.float32).reshape(-1)
+        if state.shape[0] > mcfg.state_dim:
+            raise ValueError(f'state has {state.shape[0]} values, the model takes at most '
+                             f'{mcfg.state_dim}')
+        if not np.isfinite(state).all():
+            raise ValueError(f'state contains non-finite values: {state.tolist()}')
+        padded = np.zeros(mcfg.state_dim, dtype=np.float32)
+        padded[:state.shape[0]] = state
+        norm = self.state_normalizer.normalize(padded)
+        norm[state.shape[0]:] = 0.0     # zero-padding stays zero in normalized space
+        return torch.as_tensor(norm, device=self.device).reshape(1, 1, -1)
+
+    def _noise(self) -> torch.Tensor:
+        mcfg = self.model_config
+        noise = torch.randn((1, mcfg.action_horizon, mcfg.action_dim),
+                            generator=self._noise_generator, dtype=torch.float32)
+        return noise.to(self.device, non_blocking=True)
+
+    def _run(self, text: TextInputs, images: torch.Tensor, states: torch.Tensor,
+             noise: torch.Tensor) -> torch.Tensor:
+        inputs = dict(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                      position_ids=text.position_ids, image_positions=text.image_positions,
+                      token_pooling=text.token_pooling, images=images,
+                      states=states.to(self.dtype), noise=noise)
+        if not text.bucket:
+            return self._query_fn(**inputs)
+        runner = self._runners.get(text.bucket)
+        if runner is None:
+            if self.config.cuda_graphs or self.config.compile:
+                log.warning('bucket %d was not prepared at warm-up; compiling now', text.bucket)
+            runner = self._prepare_bucket(text.bucket, inputs)
+        return runner(**inputs)
+
+    def _prepare_bucket(self, bucket: int, example_inputs: dict) -> StaticRunner:
+        runner = StaticRunner(self._query_fn, example_inputs, cuda_graph=self.config.cuda_graphs,
+                              warmup_iters=3 if (self.config.compile or self.config.cuda_graphs)
+                              else 1)
+        self._runners[bucket] = runner
+        return runner
+
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compiles and captures every bucket (or runs once, eager); returns seconds taken."""
+        say = progress or log.info
+        start = time.perf_counter()
+        mcfg = self.model_config
+        rng = np.random.default_rng(0)
+        frames = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)
+                       for _ in range(self.num_cameras))
+        state = np.zeros(mcfg.state_dim, dtype=np.float32)
+        with torch.inference_mode():
+            images = self._images_to_device(frames)
+            states = self._states_to_device(state)
+            if not self.config.buckets:
+                text = self.text_inputs(self.config.instruction or 'warm up')
+                self._run(text, images, states, self._noise())
+            for bucket in self.config.buckets:
+                say(f'warm-up: preparing bucket {bucket} (compile={self.config.compile}, '
+                    f'cuda_graphs={self.config.cuda_graphs})')
+                t0 = time.perf_counter()
+                text = self._padding_probe(bucket)
+                inputs = dict(input_ids=text.input_ids, attention_mask=text.attention_mask,
+                              position_ids=text.position_ids,
+                              image_positions=text.image_positions,
+                              token_pooling=text.token_pooling, images=images,
+                              states=states.to(self.dtype), noise=self._noise())
+                self._prepare_bucket(bucket, inputs)
+                say(f'warm-up: bucket {bucket} ready in {time.perf_counter() - t0:.1f} s')
+            if self.device.type == 'cuda':
+                torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - start
+        say(f'warm-up done in {self.warmup_seconds:.1f} s')
+        return self.warmup_seconds
+
+    def _padding_probe(self, bucket: int) -> TextInputs:
+        """Text inputs of exactly `bucket` tokens' shape (a short instruction, padded)."""
+        text = self.text_inputs('warm up')
+        if text.bucket == bucket:
+            return text
+        # same image layout, padded to this bucket: only shapes matter for compile/capture
+        total, length = bucket, text.length
+        ids = torch.full((1, total), self.model_config.tokens.bos, dtype=torch.long,
+                         device=self.device)
+        ids[:, :length] = text.input_ids[:, :length]
+        mask = torch.zeros((1, total), dtype=torch.bool, device=self.device)
+        mask[:, :length] = True
+        pos = torch.clamp(torch.arange(total, device=self.device), max=length - 1)[None]
+        return TextInputs(ids, mask, pos, text.image_positions, text.token_pooling, length, bucket)
+
+    def predict(self, observation: Observation, noise: np.ndarray | None = None) -> ActionChunk:
+        """Runs one query.
+
+        Args:
+            observation: `num_cameras` uint8 RGB frames (any size), raw state (robot units),
+                instruction (empty -> the configured default).
+            noise: optional float32 (horizon, action_dim) initial flow sample (tests);
+                default: drawn from the engine's seeded generator.
+
+        Returns:
+            ActionChunk with actions in robot units, float32 (horizon, action_dim).
+
+        Raises:
+            ValueError: wrong camera count, bad image dtype/shape, bad state, empty or
+                over-long instruction.
+        """
+        start = time.perf_counter()
+        instruction = observation.instruction or self.config.instruction
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise ValueError('instruction is empty: set it in the observation or the '
+                             "engine's `instruction`")
+        mcfg = self.model_config
+        with torch.inference_mode():
+            text = self.text_inputs(instruction)
+            images = self._images_to_device(observation.images)
+            states = self._states_to_device(observation.state)
+            if noise is None:
+                noise_t = self._noise()
+            else:
+                noise = np.asarray(noise, dtype=np.float32)
+                if noise.shape != (mcfg.action_horizon, mcfg.action_dim):
+                    raise ValueError(f'noise: expected shape {(mcfg.action_horizon, mcfg.action_dim)}, '
+                                     f'got {noise.shape}')
+                noise_t = torch.as_tensor(noise, device=self.device)[None]
+            t_model = time.perf_counter()
+            actions_n = self._run(text, images, states, noise_t)[0].cpu().numpy()
+        t_done = time.perf_counter()
+        actions = self.action_normalizer.unnormalize(actions_n).astype(np.float32)
+        c = self.config
+        if 0 <= c.gripper_index < actions.shape[1]:
+            g = actions[:, c.gripper_index]
+            actions[:, c.gripper_index] = np.where(g >= c.gripper_threshold, c.gripper_closed,
+                                                   c.gripper_open)
+        end = time.perf_counter()
+        return ActionChunk(
+            actions=actions, actions_normalized=actions_n.astype(np.float32),
+            observation_stamp=observation.stamp, observation_seq=observation.seq,
+            inference_ms=(end - start) * 1e3,
+            timings_ms={'preprocess': (t_model - start) * 1e3,
+                        'model': (t_done - t_model) * 1e3,
+                        'postprocess': (end - t_done) * 1e3})
+
+    @property
+    def mode(self) -> dict[str, str]:
+        """Engine settings for /diagnostics."""
+        c = self.config
+        return {'model': self.model_config.name, 'device': c.device, 'dtype': c.dtype,
+                'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
+                'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
+                'buckets': ','.join(map(str, c.buckets)) or 'none',
+                'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
+
+    def close(self) -> None:
+        """Releases the model, graphs and cached tensors (and the GPU memory they held)."""
+        self._runners.clear()
+        self._text_cache.clear()
+        self._conditioning = []
+        self._query_fn = None
+        self.model = None
+        if self.device.type == 'cuda':
+            torch.cuda.empty_cache()
