@@ -118,7 +118,7 @@ class TextTokenizer:
         self._tokenizer.save(str(path))
 
 
-def build_tiny_tokenizer(tokens: TokenIds | None = None) -> TextTokenizer:
+def tiny_tokenizer(tokens: TokenIds | None = None) -> TextTokenizer:
     """The tiny model's byte-level BPE tokenizer, built in code (module docstring).
 
     Args:
