@@ -1,0 +1,583 @@
+"""PolicyNode: eight cameras + joint state in, MolmoBot action chunks out on a fixed schedule.
+
+A lifecycle node (rclpy.lifecycle). configure builds and warms the engine; activate
+creates the subscriptions, publishers, the diagnostics timer and the worker thread;
+deactivate stops them; cleanup releases the engine. With `autostart` (default) `main`
+runs configure + activate itself, for users without lifecycle tooling.
+
+Subscription callbacks only store the newest message (`ObservationSynchronizer`). The
+worker thread ticks on absolute deadlines `t0 + k * chunk_period` in ROS time (sim time
+aware, `timing.DeadlineScheduler`): it starts inference `lead` seconds before the deadline
+(the measured p99 latency times a margin, `timing.LatencyEstimator`), builds the
+observation from the newest frames, runs `engine.predict`, waits for the deadline and
+publishes a `trajectory_msgs/JointTrajectory`: action k is meant to execute at
+`observation.stamp + k * control_period`; actions whose time has passed at publish time are
+dropped; header.stamp is the time of the first remaining action and time_from_start of
+point j is j * control_period.
+
+Run: python -m molmobot_policy.ros.node --ros-args --params-file config/policy_tiny.yaml
+"""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                ParameterType, SetParametersResult)
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.duration import Duration
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.time import Time
+from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import Float32MultiArray, MultiArrayDimension
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
+from molmobot_policy.timing import (ChunkStitcher, DeadlineScheduler, LatencyEstimator,
+                                    ObservationGate, RollingStats)
+
+NODE_NAME = 'molmobot_policy'
+DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
+DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
+CAMERA_QOS = ('sensor_data', 'reliable')
+WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
+STATS_WINDOW = 200          # samples kept for p50/p99/max in diagnostics
+
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
+
+
+def _seconds(stamp) -> float:
+    """builtin_interfaces/Time -> float seconds."""
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def _default_engine_factory(config: dict):
+    from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
+    return PolicyEngine(EngineConfig(**config))
+
+
+def _descriptor(description: str, type_: int, read_only: bool = True,
+                float_range: tuple[float, float] | None = None,
+                int_range: tuple[int, int] | None = None,
+                constraints: str = '') -> ParameterDescriptor:
+    descriptor = ParameterDescriptor(description=description, type=type_, read_only=read_only,
+                                     additional_constraints=constraints)
+    if float_range is not None:
+        descriptor.floating_point_range = [
+            FloatingPointRange(from_value=float_range[0], to_value=float_range[1])]
+    if int_range is not None:
+        descriptor.integer_range = [IntegerRange(from_value=int_range[0], to_value=int_range[1])]
+    return descriptor
+
+
+_S, _SA = ParameterType.PARAMETER_STRING, ParameterType.PARAMETER_STRING_ARRAY
+_D, _B = ParameterType.PARAMETER_DOUBLE, ParameterType.PARAMETER_BOOL
+_I, _IA = ParameterType.PARAMETER_INTEGER, ParameterType.PARAMETER_INTEGER_ARRAY
+_DA = ParameterType.PARAMETER_DOUBLE_ARRAY
+
+# name: (default, descriptor). read_only where a change after configure/activate is unsafe.
+PARAMETERS = {
+    'autostart': (True, _descriptor('run configure + activate at start-up', _B)),
+    'camera_topics': (DEFAULT_CAMERAS, _descriptor(
+        'sensor_msgs/Image topics in model image order (camera k -> "Image k+1"); at most the '
+        "model's max_images", _SA)),
+    'camera_qos': ('sensor_data', _descriptor(
+        'QoS of the camera subscriptions', _S, constraints="'sensor_data' (best effort, keep "
+        "last 5) or 'reliable' (reliable, keep last 1)")),
+    'joint_state_topic': ('/joint_states', _descriptor('sensor_msgs/JointState topic', _S)),
+    'joint_names': (DEFAULT_JOINTS, _descriptor(
+        'joints making up the state vector, in order (matched by name)', _SA)),
+    'action_joint_names': (DEFAULT_JOINTS, _descriptor(
+        'JointTrajectory joint_names; action dim k drives joint k', _SA)),
+    'instruction': ('', _descriptor('task text given to the model; may change at run time',
+                                    _S, read_only=False)),
+    'control_period': (0.1, _descriptor(
+        'seconds between consecutive actions of a chunk', _D, float_range=(0.001, 10.0))),
+    'chunk_period': (1.0, _descriptor(
+        'seconds between published chunks (the policy period)', _D,
+        float_range=(0.01, 60.0))),
+    'smoothing': ('none', _descriptor(
+        'joining a new chunk to the previous one (timing.ChunkStitcher)', _S,
+        constraints="'none' or 'linear' (cross-fade over the overlap)")),
+    'max_step': ([], _descriptor(
+        'largest change per joint between consecutive points, robot units (rad); empty: no '
+        'limit, one value: all joints, else one per action joint', _DA)),
+    'max_image_age': (0.5, _descriptor(
+        'seconds; a camera whose newest header stamp is older is stale and the tick skipped',
+        _D, read_only=False, float_range=(0.0, 3600.0))),
+    'max_state_age': (0.5, _descriptor(
+        'seconds; same for the joint state', _D, read_only=False, float_range=(0.0, 3600.0))),
+    'model': ('tiny', _descriptor('model preset, used when checkpoint_path is empty', _S)),
+    'checkpoint_path': ('', _descriptor('upstream checkpoint directory (empty: random init)',
+                                        _S)),
+    'tokenizer_path': ('', _descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
+                                       _S)),
+    'device': ('cpu', _descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
+    'dtype': ('float32', _descriptor('serving dtype of the weights', _S,
+                                     constraints="'float32' or 'bfloat16'")),
+    'seed': (0, _descriptor('seed of random weights and flow noise', _I,
+                            int_range=(0, 2**31 - 1))),
+    'flow_steps': (0, _descriptor("Euler flow steps (0: the model config's)", _I,
+                                  int_range=(0, 1000))),
+    'compile': (False, _descriptor('torch.compile the query', _B)),
+    'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
+    'quantize': ('none', _descriptor('LLM Linear quantization', _S,
+                                     constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
+    'buckets': ([], _descriptor('fixed prompt lengths (tokens) to pad to; empty: no padding',
+                                _IA)),
+    'output_topic': ('~/joint_trajectory', _descriptor(
+        'trajectory_msgs/JointTrajectory output topic', _S)),
+    'publish_float_array': (False, _descriptor(
+        'also publish std_msgs/Float32MultiArray (layout: action x joint) on ~/actions', _B)),
+    'diagnostics_period': (1.0, _descriptor('seconds between /diagnostics messages', _D,
+                                            float_range=(0.05, 60.0))),
+    'diag_min_camera_rate': (1.0, _descriptor(
+        'Hz; a camera or joint state below this rate is WARN', _D, read_only=False,
+        float_range=(0.0, 1000.0))),
+    'diag_inference_warn_ms': (500.0, _descriptor(
+        'ms; inference p99 above this is WARN', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_inference_error_ms': (1000.0, _descriptor(
+        'ms; inference p99 above this is ERROR', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_jitter_warn_ms': (10.0, _descriptor(
+        'ms; publish jitter p99 above this is WARN', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_jitter_error_ms': (50.0, _descriptor(
+        'ms; publish jitter p99 above this is ERROR', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+}
+
+ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'device', 'dtype', 'seed',
+                     'flow_steps', 'compile', 'cuda_graphs', 'quantize', 'buckets',
+                     'instruction')
+
+
+class PolicyNode(LifecycleNode):
+    """The MolmoBot policy as a ROS 2 lifecycle node (parameters: see PARAMETERS).
+
+    Args:
+        engine_factory: callable(dict of EngineConfig fields) -> engine with `warmup()`,
+            `predict(Observation) -> ActionChunk`, `model_config`, `mode`, `close()`.
+            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields))`.
+        **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides).
+    """
+
+    def __init__(self, engine_factory=None, node_name: str = NODE_NAME, **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        for name, (default, descriptor) in PARAMETERS.items():
+            self.declare_parameter(name, default, descriptor)
+        self.add_on_set_parameters_callback(self._validate_parameters)
+        self._engine_factory = engine_factory or _default_engine_factory
+        self.engine = None
+        self._sync: ObservationSynchronizer | None = None
+        self._subscriptions = []
+        self._trajectory_pub = None
+        self._array_pub = None
+        self._chunk_info_pub = None
+        self._diagnostics_pub = None
+        self._diagnostics_timer = None
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._reset_statistics()
+
+    def _param(self, name: str):
+        return self.get_parameter(name).value
+
+    def _validate_parameters(self, parameters) -> SetParametersResult:
+        for p in parameters:
+            if p.name == 'camera_qos' and p.value not in CAMERA_QOS:
+                return SetParametersResult(successful=False, reason=(
+                    f'camera_qos must be one of {list(CAMERA_QOS)}, got {p.value!r}'))
+        return SetParametersResult(successful=True)
+
+    def _reset_statistics(self) -> None:
+        self.inference_ms = RollingStats(STATS_WINDOW)
+        self.jitter_ms = RollingStats(STATS_WINDOW)
+        self.age_ms = RollingStats(STATS_WINDOW)
+        self.chunks_published = 0
+        self.deadline_misses = 0
+        self.dropped_actions = 0
+        self.skipped_ticks = 0
+        self.failed_ticks = 0
+        self.last_skip = ''
+        self._scheduler: DeadlineScheduler | None = None
+        self._stitcher: ChunkStitcher | None = None
+        self._gate: ObservationGate | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def autostart(self) -> bool:
+        """configure + activate (what lifecycle tooling would do). True on success."""
+        if self.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+            return False
+        return self.trigger_activate() == TransitionCallbackReturn.SUCCESS
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        cameras = list(self._param('camera_topics'))
+        joints = list(self._param('joint_names'))
+        action_joints = list(self._param('action_joint_names'))
+        engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
+        engine_config['buckets'] = tuple(engine_config['buckets'])
+        engine_config['num_cameras'] = len(cameras)
+        started = time.monotonic()
+        try:
+            if not cameras or not joints or not action_joints:
+                raise ValueError('camera_topics, joint_names and action_joint_names must not '
+                                 'be empty')
+            if self._param('camera_qos') not in CAMERA_QOS:
+                raise ValueError(f"camera_qos must be one of {list(CAMERA_QOS)}, got "
+                                 f"{self._param('camera_qos')!r}")
+            if len(self._param('max_step')) not in (0, 1, len(action_joints)):
+                raise ValueError(f"max_step has {len(self._param('max_step'))} values; expected "
+                                 f'0, 1 or {len(action_joints)} (one per action joint)')
+            self._make_stitcher()       # raises ValueError on a bad smoothing / max_step
+            self.get_logger().info(f"configuring: building engine (model "
+                                   f"{engine_config['model']!r}, device "
+                                   f"{engine_config['device']!r}, {len(cameras)} cameras)")
+            self.engine = self._engine_factory(engine_config)
+            model = self.engine.model_config
+            if len(cameras) > model.max_images:
+                raise ValueError(f'camera_topics has {len(cameras)} topics but the model takes '
+                                 f'at most max_images={model.max_images}; list at most '
+                                 f'{model.max_images} cameras')
+            if len(joints) > model.state_dim:
+                raise ValueError(f'joint_names has {len(joints)} joints but the model state '
+                                 f'has state_dim={model.state_dim}')
+            if len(action_joints) > model.action_dim:
+                raise ValueError(f'action_joint_names has {len(action_joints)} joints but the '
+                                 f'model acts in action_dim={model.action_dim}')
+            self.get_logger().info('configuring: warming up the engine')
+            self.engine.warmup()
+        except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
+            self.get_logger().error(f'configure failed: {error}')
+            self._close_engine()
+            return TransitionCallbackReturn.FAILURE
+        self.get_logger().info(f'configured in {time.monotonic() - started:.1f} s; engine mode '
+                               f'{dict(self.engine.mode)}')
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._reset_statistics()
+        self._sync = ObservationSynchronizer(self._param('camera_topics'),
+                                             self._param('joint_names'),
+                                             joint_state_topic=self._param('joint_state_topic'))
+        if self._param('camera_qos') == 'sensor_data':
+            camera_qos = qos_profile_sensor_data
+        else:
+            camera_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                    history=HistoryPolicy.KEEP_LAST)
+        inputs = ReentrantCallbackGroup()
+        for topic in self._sync.camera_topics:
+            self._subscriptions.append(self.create_subscription(
+                Image, topic, functools.partial(self._on_image, topic), camera_qos,
+                callback_group=inputs))
+        # best effort subscriptions also match reliable publishers
+        self._subscriptions.append(self.create_subscription(
+            JointState, self._param('joint_state_topic'), self._on_joint_state,
+            qos_profile_sensor_data, callback_group=inputs))
+        self._trajectory_pub = self.create_publisher(JointTrajectory,
+                                                     self._param('output_topic'), 10)
+        if self._param('publish_float_array'):
+            self._array_pub = self.create_publisher(Float32MultiArray, '~/actions', 10)
+        self._chunk_info_pub = self.create_publisher(DiagnosticStatus, '~/chunk_info', 10)
+        self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
+        self._diagnostics_timer = self.create_timer(
+            self._param('diagnostics_period'), self._publish_diagnostics,
+            callback_group=MutuallyExclusiveCallbackGroup())
+        self._stop.clear()
+        self._worker = threading.Thread(target=self._run, name='policy_worker', daemon=True)
+        self._worker.start()
+        self.get_logger().info(
+            f"active: {len(self._sync.camera_topics)} cameras, chunk every "
+            f"{self._param('chunk_period')} s, actions every {self._param('control_period')} s, "
+            f"publishing on {self._trajectory_pub.topic_name}")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._stop_worker()
+        for subscription in self._subscriptions:
+            self.destroy_subscription(subscription)
+        self._subscriptions = []
+        for publisher in (self._trajectory_pub, self._array_pub, self._chunk_info_pub,
+                          self._diagnostics_pub):
+            if publisher is not None:
+                self.destroy_publisher(publisher)
+        self._trajectory_pub = self._array_pub = None
+        self._chunk_info_pub = self._diagnostics_pub = None
+        if self._diagnostics_timer is not None:
+            self.destroy_timer(self._diagnostics_timer)
+            self._diagnostics_timer = None
+        self.get_logger().info(f'deactivated after {self.chunks_published} chunks')
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._close_engine()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self._worker is not None:
+            self.on_deactivate(state)
+        self._close_engine()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _stop_worker(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            finally:
+                self.engine = None
+
+    # -------------------------------------------------------------- callbacks: store only
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def _on_image(self, topic: str, msg: Image) -> None:
+        self._sync.add_image(topic, msg, _seconds(msg.header.stamp), self._now())
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        try:
+            self._sync.add_joint_state(msg.name, msg.position, _seconds(msg.header.stamp),
+                                       self._now())
+        except ValueError as error:
+            self.get_logger().warning(f'ignoring joint state: {error}',
+                                      throttle_duration_sec=WARN_THROTTLE_S)
+
+    # ---------------------------------------------------------------------- worker
+    def _sleep_until(self, t: float) -> bool:
+        """Sleep until ROS time t (s); False if stopped first. Polls so sim time works."""
+        while not self._stop.is_set():
+            remaining = t - self._now()
+            if remaining <= 0.0:
+                return True
+            self._stop.wait(min(remaining, 0.05))
+        return False
+
+    def _run(self) -> None:
+        chunk_period = self._param('chunk_period')
+        while self._now() <= 0.0 and not self._stop.is_set():   # sim time not started yet
+            self._stop.wait(0.05)
+        latency = LatencyEstimator(initial=min(0.5 * chunk_period, 1.0))
+        self._scheduler = DeadlineScheduler(chunk_period, t0=self._now() + chunk_period)
+        self._stitcher = self._make_stitcher()
+        self._gate = ObservationGate()
+        previous_now = self._now()
+        while not self._stop.is_set():
+            now = self._now()
+            if now < previous_now:
+                self.get_logger().warning(f'ROS time jumped back by {previous_now - now:.3f} s; '
+                                          'restarting the schedule')
+                self._scheduler.reset(now + chunk_period)
+                self._stitcher.reset()
+                self._gate.reset()
+            previous_now = now
+            self._scheduler.set_lead(latency.lead())
+            tick = self._scheduler.next_tick(now)
+            if not self._sleep_until(tick.start_at):
+                break
+            try:
+                self._tick(tick, latency)
+            except Exception as error:  # noqa: BLE001 - bad input never stops the worker
+                self.failed_ticks += 1
+                self.get_logger().error(f'tick {tick.index} failed: {error!r}',
+                                        throttle_duration_sec=WARN_THROTTLE_S)
+
+    def _make_stitcher(self) -> ChunkStitcher:
+        max_step = list(self._param('max_step'))
+        if len(max_step) == 1:
+            max_step = max_step * len(self._param('action_joint_names'))
+        return ChunkStitcher(self._param('control_period'), smoothing=self._param('smoothing'),
+                             max_step=np.array(max_step) if max_step else None)
+
+    def _tick(self, tick, latency: LatencyEstimator) -> None:
+        observation = self._sync.build(self._now(), self._param('max_image_age'),
+                                       self._param('max_state_age'),
+                                       instruction=self._param('instruction'))
+        if not isinstance(observation, Skip) and not self._gate.accept_observation(observation):
+            observation = Skip(('observation is not newer than the last one used',))
+        if isinstance(observation, Skip):
+            self.skipped_ticks += 1
+            self.last_skip = str(observation)
+            self.get_logger().warning(f'skipping tick {tick.index}: {observation}',
+                                      throttle_duration_sec=WARN_THROTTLE_S)
+            return
+        started = time.perf_counter()
+        try:
+            chunk = self.engine.predict(observation)
+        except ValueError as error:
+            self.skipped_ticks += 1
+            self.last_skip = f'engine refused observation: {error}'
+            self.get_logger().warning(f'skipping tick {tick.index}: {self.last_skip}',
+                                      throttle_duration_sec=WARN_THROTTLE_S)
+            return
+        latency.record(time.perf_counter() - started)
+        self.inference_ms.add(chunk.inference_ms)
+        if not self._sleep_until(tick.deadline):
+            return
+        self._publish_chunk(tick, observation, chunk)
+
+    def _publish_chunk(self, tick, observation, chunk) -> None:
+        control_period = self._param('control_period')
+        joint_names = list(self._param('action_joint_names'))
+        now = self._now()
+        if now > tick.deadline + 0.5 * control_period:
+            self.deadline_misses += 1           # inference overran its lead
+        actions = np.asarray(chunk.actions, dtype=np.float64)[:, :len(joint_names)]
+        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=now)
+        self.dropped_actions += stitched.dropped
+        if len(stitched) == 0:
+            self.last_skip = (f'all {stitched.dropped} actions of tick {tick.index} were in '
+                              f'the past at publish time')
+            self.get_logger().warning(self.last_skip, throttle_duration_sec=WARN_THROTTLE_S)
+            return
+        actions, dropped = stitched.positions, stitched.dropped
+
+        msg = JointTrajectory()
+        msg.header.stamp = Time(nanoseconds=int(round(stitched.times[0] * 1e9))).to_msg()
+        msg.joint_names = joint_names
+        for j, position in enumerate(actions):     # the stitcher keeps the control period
+            point = JointTrajectoryPoint()
+            point.positions = [float(x) for x in position]
+            point.time_from_start = Duration(
+                nanoseconds=int(round(j * control_period * 1e9))).to_msg()
+            msg.points.append(point)
+        self._trajectory_pub.publish(msg)
+        published = self._now()
+        if self._array_pub is not None:
+            array = Float32MultiArray()
+            array.layout.dim = [
+                MultiArrayDimension(label='action', size=actions.shape[0], stride=actions.size),
+                MultiArrayDimension(label='joint', size=actions.shape[1],
+                                    stride=actions.shape[1])]
+            array.data = actions.astype(np.float32).ravel().tolist()
+            self._array_pub.publish(array)
+
+        jitter_ms = (published - tick.deadline) * 1e3
+        age_ms = (published - observation.stamp) * 1e3
+        self.jitter_ms.add(jitter_ms)
+        self.age_ms.add(age_ms)
+        self.chunks_published += 1
+        first = np.array2string(actions[0], precision=3, separator=', ')
+        self._chunk_info_pub.publish(DiagnosticStatus(
+            level=OK, name=f'{self.get_name()}: chunk', hardware_id=self.get_name(),
+            message=f'chunk {self.chunks_published}', values=_key_values({
+                'tick': tick.index, 'observation_seq': observation.seq,
+                'observation_stamp': f'{observation.stamp:.6f}',
+                'observation_age_ms': f'{age_ms:.1f}',
+                'inference_ms': f'{chunk.inference_ms:.1f}',
+                'publish_jitter_ms': f'{jitter_ms:.2f}', 'points': len(actions),
+                'dropped': dropped, 'first_action': first})))
+        self.get_logger().info(
+            f'chunk {self.chunks_published}: observation age {age_ms:.0f} ms, inference '
+            f'{chunk.inference_ms:.0f} ms, {len(actions)} points ({dropped} dropped), '
+            f'first action {first}')
+
+    # ------------------------------------------------------------------ diagnostics
+    def _publish_diagnostics(self) -> None:
+        if self._diagnostics_pub is None or self._sync is None:
+            return
+        now = self._now()
+        name = self.get_name()
+        min_rate = self._param('diag_min_camera_rate')
+        statuses = []
+        for topic, stats in self._sync.stats(now).items():
+            is_camera = topic != self._sync.joint_state_topic
+            max_age = self._param('max_image_age' if is_camera else 'max_state_age')
+            if stats.age is None:
+                level, message = ERROR, 'no message received'
+            elif stats.age > max_age:
+                level, message = WARN, f'stale: age {stats.age:.3f} s > {max_age:.3f} s'
+            elif stats.rate_hz < min_rate:
+                level, message = WARN, f'rate {stats.rate_hz:.1f} Hz < {min_rate:.1f} Hz'
+            else:
+                level, message = OK, 'ok'
+            age_ms = 'nan' if stats.age is None else f'{stats.age * 1e3:.1f}'
+            statuses.append(DiagnosticStatus(
+                level=level, name=f"{name}: {'camera' if is_camera else 'joint state'} {topic}",
+                hardware_id=name, message=message, values=_key_values({
+                    'rate_hz': f'{stats.rate_hz:.2f}', 'age_ms': age_ms,
+                    'messages': stats.count})))
+
+        inference = self.inference_ms.summary()
+        level, message = OK, 'ok'
+        if inference['p99'] > self._param('diag_inference_error_ms'):
+            level, message = ERROR, f"inference p99 {inference['p99']:.0f} ms too slow"
+        elif inference['p99'] > self._param('diag_inference_warn_ms'):
+            level, message = WARN, f"inference p99 {inference['p99']:.0f} ms slow"
+        mode = dict(self.engine.mode) if self.engine is not None else {}
+        statuses.append(DiagnosticStatus(
+            level=level, name=f'{name}: inference', hardware_id=name, message=message,
+            values=_key_values({**_summary('inference', inference),
+                                **{f'engine_{k}': v for k, v in mode.items()}})))
+
+        jitter = self.jitter_ms.summary()
+        misses = self.deadline_misses + (self._scheduler.missed if self._scheduler else 0)
+        level, message = OK, 'ok'
+        if jitter['p99'] > self._param('diag_jitter_error_ms'):
+            level, message = ERROR, f"publish jitter p99 {jitter['p99']:.1f} ms"
+        elif jitter['p99'] > self._param('diag_jitter_warn_ms'):
+            level, message = WARN, f"publish jitter p99 {jitter['p99']:.1f} ms"
+        elif self.last_skip:
+            level, message = WARN, f'last skip: {self.last_skip}'
+        statuses.append(DiagnosticStatus(
+            level=level, name=f'{name}: schedule', hardware_id=name, message=message,
+            values=_key_values({
+                **_summary('publish_jitter', jitter),
+                **_summary('sensor_to_publish_age', self.age_ms.summary()),
+                'chunks_published': self.chunks_published, 'deadline_misses': misses,
+                'dropped_actions': self.dropped_actions, 'skipped_ticks': self.skipped_ticks,
+                'failed_ticks': self.failed_ticks})))
+        self.last_skip = ''
+        array = DiagnosticArray(status=statuses)
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diagnostics_pub.publish(array)
+
+
+def _key_values(values: dict) -> list[KeyValue]:
+    return [KeyValue(key=k, value=str(v)) for k, v in values.items()]
+
+
+def _summary(prefix: str, summary: dict) -> dict:
+    return {f'{prefix}_{k}_ms': ('nan' if math.isnan(summary[k]) else f'{summary[k]:.2f}')
+            for k in ('p50', 'p99', 'max')}
+
+
+def main(args=None) -> int:
+    """Console entry point: run the node until Ctrl-C. Returns the exit status."""
+    rclpy.init(args=args)
+    node = None
+    status = 0
+    try:
+        node = PolicyNode()
+        executor = MultiThreadedExecutor(num_threads=4)
+        executor.add_node(node)
+        if node.get_parameter('autostart').value and not node.autostart():
+            node.get_logger().fatal('autostart failed (see the error above); exiting')
+            status = 1
+        else:
+            executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            node._stop_worker()
+            node._close_engine()
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return status
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
