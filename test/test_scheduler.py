@@ -202,6 +202,12 @@ def test_lead_follows_only_the_recent_window():
     assert estimator.lead() == pytest.approx(0.02)
 
 
+def test_lead_is_capped_at_max_lead():
+    estimator = LatencyEstimator(quantile=1.0, margin=1.0, min_samples=1, max_lead=0.045)
+    estimator.record(0.2)
+    assert estimator.lead() == 0.045
+
+
 @pytest.mark.parametrize('seconds', [-0.001, math.nan, math.inf])
 def test_latency_sample_must_be_finite_and_non_negative(seconds):
     with pytest.raises(ValueError, match='latency'):
@@ -210,7 +216,8 @@ def test_latency_sample_must_be_finite_and_non_negative(seconds):
 
 @pytest.mark.parametrize('kwargs', [{'window': 0}, {'quantile': 0.0}, {'quantile': 1.5},
                                     {'margin': 0.0}, {'min_samples': 0},
-                                    {'window': 3, 'min_samples': 4}, {'initial': -1.0}])
+                                    {'window': 3, 'min_samples': 4}, {'initial': -1.0},
+                                    {'max_lead': 0.0}])
 def test_estimator_arguments_are_validated(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         LatencyEstimator(**kwargs)

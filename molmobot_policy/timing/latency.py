@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from typing import Optional
 
 import numpy as np
 
@@ -32,13 +33,17 @@ class LatencyEstimator:
             (1 <= min_samples <= window).
         initial: seconds (>= 0); the lead returned until `min_samples` warm samples.
             Set it from a known latency (e.g. the engine's warm-up timing).
+        max_lead: None or seconds (> 0); upper bound of `lead()`. A lead above the
+            period lets a single worker run at most every other tick; capping it (e.g.
+            just under the period) trades those misses for late publishes on spikes.
 
     Raises:
         ValueError: any argument outside the ranges above.
     """
 
     def __init__(self, window: int = 50, quantile: float = 0.99, margin: float = 1.2,
-                 min_samples: int = 5, initial: float = 0.1):
+                 min_samples: int = 5, initial: float = 0.1,
+                 max_lead: Optional[float] = None):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f'window must be an int >= 1, got {window!r}')
         if not (isinstance(quantile, (int, float)) and 0.0 < quantile <= 1.0):
@@ -51,11 +56,16 @@ class LatencyEstimator:
                 f'min_samples must be an int in [1, window={window}], got {min_samples!r}')
         if not (isinstance(initial, (int, float)) and math.isfinite(initial) and initial >= 0.0):
             raise ValueError(f'initial must be a finite number of seconds >= 0, got {initial!r}')
+        if max_lead is not None and not (isinstance(max_lead, (int, float))
+                                         and math.isfinite(max_lead) and max_lead > 0.0):
+            raise ValueError(f'max_lead must be None or a finite number of seconds > 0, '
+                             f'got {max_lead!r}')
         self.window = int(window)
         self.quantile = float(quantile)
         self.margin = float(margin)
         self.min_samples = int(min_samples)
         self.initial = float(initial)
+        self.max_lead = None if max_lead is None else float(max_lead)
         self._samples: deque[float] = deque(maxlen=self.window)
         self._ignored = 0
         self._lock = threading.Lock()
@@ -106,7 +116,9 @@ class LatencyEstimator:
     def lead(self) -> float:
         """Seconds to start inference before the deadline: estimate() * margin.
 
-        Returns `initial` until `min_samples` warm samples have been recorded.
+        Returns `initial` until `min_samples` warm samples have been recorded; the result
+        is capped at `max_lead` when set.
         """
         q = self.estimate()
-        return self.initial if math.isnan(q) else q * self.margin
+        lead = self.initial if math.isnan(q) else q * self.margin
+        return lead if self.max_lead is None else min(lead, self.max_lead)

@@ -1,0 +1,71 @@
+"""Specification of RollingStats, the rolling window behind the /diagnostics timing values."""
+import math
+
+import numpy as np
+import pytest
+
+from molmobot_policy.timing import RollingStats
+
+
+def filled(values, window=1000):
+    stats = RollingStats(window)
+    for value in values:
+        stats.add(value)
+    return stats
+
+
+def test_statistics_match_numpy_over_the_samples():
+    values = np.random.default_rng(0).exponential(0.01, size=500)
+    stats = filled(values)
+    assert stats.count == 500
+    assert stats.p50 == pytest.approx(np.quantile(values, 0.5))
+    assert stats.p99 == pytest.approx(np.quantile(values, 0.99))
+    assert stats.max == values.max() and stats.min == values.min()
+    assert stats.mean == pytest.approx(values.mean())
+
+
+def test_only_the_last_window_samples_count():
+    stats = filled([100.0] * 3 + [1.0, 2.0, 3.0], window=3)
+    assert stats.count == 3 and stats.total == 6
+    assert stats.max == 3.0 and stats.p50 == 2.0
+    np.testing.assert_array_equal(stats.values(), [1.0, 2.0, 3.0])  # oldest first
+
+
+def test_empty_statistics_are_nan_not_an_error():
+    summary = RollingStats().summary()
+    assert summary['count'] == 0 and summary['total'] == 0
+    for key in ('p50', 'p99', 'max', 'min', 'mean'):
+        assert math.isnan(summary[key])
+
+
+def test_summary_reports_every_statistic_scaled():
+    summary = filled([0.001, 0.002, 0.003]).summary(scale=1000.0)
+    assert summary['count'] == 3
+    assert summary['p50'] == pytest.approx(2.0)
+    assert summary['max'] == pytest.approx(3.0)
+    assert summary['min'] == pytest.approx(1.0)
+    assert summary['mean'] == pytest.approx(2.0)
+    assert summary['p99'] == pytest.approx(np.quantile([1.0, 2.0, 3.0], 0.99))
+
+
+def test_clear_drops_every_sample():
+    stats = filled([1.0, 2.0])
+    stats.clear()
+    assert stats.count == 0 and math.isnan(stats.max)
+
+
+@pytest.mark.parametrize('sample', [math.nan, math.inf, 'slow', None])
+def test_samples_must_be_finite_numbers(sample):
+    with pytest.raises(ValueError, match='sample'):
+        RollingStats().add(sample)
+
+
+@pytest.mark.parametrize('window', [0, -5, 2.5, True])
+def test_window_must_be_a_positive_int(window):
+    with pytest.raises(ValueError, match='window'):
+        RollingStats(window)
+
+
+def test_quantile_must_be_between_0_and_1():
+    with pytest.raises(ValueError, match='quantile'):
+        filled([1.0]).quantile(1.5)
