@@ -99,10 +99,11 @@ def replace(old: Trajectory | None, new: Trajectory, now: float,
             current_positions: Sequence[float]) -> Trajectory:
     """The trajectory to follow after `new` arrives at time `now` while `old` is active.
 
-    Points of `old` due strictly between `now` and `new`'s first point are kept; everything of
-    `old` from `new.times[0]` on is dropped. When `new` starts in the future, a point at `now`
-    anchors the motion: `old` sampled at `now` if it has the same joints, else
-    `current_positions`. Points already in the past are dropped.
+    When `new` starts in the future, the result starts with a point at `now` (the position
+    `old` commands at `now` if it has the same joints, else `current_positions`), keeps the
+    points of `old` due strictly between `now` and `new`'s first point, and then follows
+    `new`; everything of `old` from `new.times[0]` on is dropped. When `new` has already
+    started (`now >= new.times[0]`) it is returned unchanged and sampled mid-way.
 
     Args:
         old: the trajectory being followed, or None.
