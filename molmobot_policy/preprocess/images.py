@@ -31,7 +31,8 @@ def _as_uint8_nhwc(images: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, boo
     elif isinstance(images, torch.Tensor):
         tensor = images
     else:
-        raise TypeError(f'images must be a numpy array or a torch tensor, got {type(images).__name__}')
+        raise TypeError('images must be a numpy array or a torch tensor, '
+                        f'got {type(images).__name__}')
     if tensor.dtype != torch.uint8:
         raise ValueError(f'images must be uint8 RGB, got dtype {tensor.dtype}')
     if tensor.ndim not in (3, 4) or tensor.shape[-1] != 3:

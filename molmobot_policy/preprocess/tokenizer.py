@@ -187,8 +187,9 @@ def load_tokenizer(path_or_dir: str | os.PathLike, tokens: TokenIds) -> TextToke
     for name, field in CHAT_TOKEN_FIELDS.items():
         found, expected = tokenizer.token_to_id(name), getattr(tokens, field)
         if found != expected:
-            raise ValueError(f'{path}: special token {name} has id {found}, but the model config '
-                             f'expects {expected} (TokenIds.{field}); wrong tokenizer for this model?')
+            raise ValueError(f'{path}: special token {name} has id {found}, but the model '
+                             f'config expects {expected} (TokenIds.{field}); wrong tokenizer '
+                             'for this model?')
     for name, field in IMAGE_TOKEN_FIELDS.items():
         found, expected = tokenizer.token_to_id(name), getattr(tokens, field)
         if found is not None and found != expected:

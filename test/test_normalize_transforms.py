@@ -1,0 +1,224 @@
+"""Quantile normalization, the robot contract and the Preprocessor (preprocess/normalize.py,
+transforms.py, pipeline.py)."""
+import numpy as np
+import pytest
+
+from molmobot_policy.model.config import MolmoBotConfig, NormStats
+from molmobot_policy.preprocess.normalize import QuantileNormalizer, normalizers_from_config
+from molmobot_policy.preprocess.pipeline import Preprocessor
+from molmobot_policy.preprocess.tokenizer import tiny_tokenizer
+from molmobot_policy.preprocess.transforms import GripperThreshold, RobotContract
+from molmobot_policy.types import Observation
+
+TINY = MolmoBotConfig.from_name('tiny')
+JOINTS = [f'j{i}' for i in range(8)]
+
+
+def contract(**kwargs):
+    args = dict(camera_names=['front', 'wrist'], joint_names=JOINTS)
+    args.update(kwargs)
+    return RobotContract.from_config(TINY, **args)
+
+
+# ---------------------------------------------------------------- QuantileNormalizer
+def test_normalize_maps_q01_to_minus_one_and_q99_to_plus_one():
+    norm = QuantileNormalizer([0.0, -2.0], [4.0, 2.0])
+    np.testing.assert_array_equal(norm.normalize([0.0, -2.0]), [-1.0, -1.0])
+    np.testing.assert_array_equal(norm.normalize([4.0, 2.0]), [1.0, 1.0])
+    np.testing.assert_array_equal(norm.normalize([2.0, 0.0]), [0.0, 0.0])
+
+
+def test_normalize_does_not_clip():
+    norm = QuantileNormalizer([0.0], [1.0])
+    np.testing.assert_array_equal(norm.normalize([3.0]), [5.0])
+    np.testing.assert_array_equal(norm.unnormalize([-3.0]), [-1.0])
+
+
+def test_normalize_floors_a_zero_range_at_1e_minus_6():
+    norm = QuantileNormalizer([0.0], [0.0])
+    np.testing.assert_allclose(norm.normalize([1e-6]), [1.0], rtol=1e-5)
+    np.testing.assert_array_equal(norm.normalize([0.0]), [-1.0])
+
+
+def test_normalize_returns_float32_and_broadcasts_leading_dims():
+    norm = QuantileNormalizer([0.0, 0.0], [1.0, 2.0])
+    out = norm.normalize(np.ones((3, 4, 2), np.float64))
+    assert out.dtype == np.float32 and out.shape == (3, 4, 2)
+
+
+def test_unnormalize_inverts_normalize():
+    rng = np.random.default_rng(0)
+    q01 = rng.uniform(-3, 0, 8)
+    q99 = q01 + rng.uniform(0.1, 5, 8)
+    norm = QuantileNormalizer(q01, q99)
+    x = rng.uniform(-4, 4, (16, 8)).astype(np.float32)
+    np.testing.assert_allclose(norm.unnormalize(norm.normalize(x)), x, rtol=1e-6, atol=1e-6)
+
+
+def test_normalizer_rejects_wrong_dimension():
+    norm = QuantileNormalizer([0.0, 0.0], [1.0, 1.0], name='state')
+    with pytest.raises(ValueError, match='2 values.*state.*shape \\(3,\\)'):
+        norm.normalize([1.0, 2.0, 3.0])
+
+
+def test_normalizer_rejects_mismatched_or_bad_statistics():
+    with pytest.raises(ValueError, match='q01 has 2 entries but q99 has 3'):
+        QuantileNormalizer([0.0, 0.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match='finite'):
+        QuantileNormalizer([0.0, np.nan], [1.0, 1.0])
+    with pytest.raises(ValueError, match='non-empty'):
+        QuantileNormalizer([], [])
+
+
+def test_normalizers_from_config_checks_widths_against_the_model():
+    bad = TINY.replace(state_dim=7)
+    with pytest.raises(ValueError, match='state statistics have 8 entries.*state_dim is 7'):
+        normalizers_from_config(bad)
+    with pytest.raises(ValueError, match='no norm_stats'):
+        normalizers_from_config(TINY.replace(norm_stats=None))
+    stats = NormStats([0.0] * 8, [1.0] * 8, [0.0] * 8, [1.0] * 8, mode='mean_std')
+    with pytest.raises(ValueError, match="'quantiles'"):
+        normalizers_from_config(TINY.replace(norm_stats=stats))
+
+
+# ---------------------------------------------------------------- RobotContract
+def test_state_is_matched_by_joint_name_not_index():
+    c = contract(joint_names=['shoulder', 'elbow'])
+    state = c.state_from_joint_state(['elbow', 'gripper', 'shoulder'], [2.0, 9.0, 1.0])
+    np.testing.assert_array_equal(state, [1.0, 2.0])
+    assert state.dtype == np.float32
+
+
+def test_missing_joints_are_named_in_the_error():
+    c = contract(joint_names=['shoulder', 'elbow', 'wrist'])
+    with pytest.raises(ValueError, match=r"lacks joint\(s\) \['elbow', 'wrist'\]"):
+        c.state_from_joint_state(['shoulder'], [0.0])
+
+
+def test_joint_state_with_mismatched_lengths_is_rejected():
+    with pytest.raises(ValueError, match='3 names but 2 positions'):
+        contract().state_from_joint_state(['a', 'b', 'c'], [0.0, 1.0])
+
+
+def test_state_is_zero_padded_to_model_width_in_normalized_space():
+    c = contract(joint_names=['a', 'b'])
+    q01, q99 = np.float32(TINY.norm_stats.state_q01), np.float32(TINY.norm_stats.state_q99)
+    normalized = c.normalize_state([q01[0], q99[1]])
+    assert normalized.shape == (TINY.state_dim,)
+    np.testing.assert_allclose(normalized[:2], [-1.0, 1.0], atol=1e-6)
+    np.testing.assert_array_equal(normalized[2:], 0.0)
+
+
+def test_more_joints_than_state_width_is_an_error():
+    with pytest.raises(ValueError, match='9 joints.*state_dim'):
+        contract(joint_names=[f'j{i}' for i in range(9)])
+
+
+def test_more_cameras_than_max_images_is_an_error():
+    cfg = TINY.replace(max_images=2)
+    with pytest.raises(ValueError, match='3 cameras.*max_images'):
+        RobotContract.from_config(cfg, camera_names=['a', 'b', 'c'], joint_names=JOINTS)
+
+
+def test_duplicate_names_are_an_error():
+    with pytest.raises(ValueError, match=r"\['j0'\] appear more than once"):
+        contract(joint_names=['j0', 'j0'])
+
+
+def test_images_are_ordered_by_camera_name():
+    c = contract(camera_names=['wrist', 'front'])
+    front, wrist = np.zeros((2, 2, 3), np.uint8), np.ones((2, 2, 3), np.uint8)
+    ordered = c.order_images({'front': front, 'wrist': wrist, 'other': front})
+    assert ordered[0] is wrist and ordered[1] is front
+    with pytest.raises(KeyError, match="'wrist'"):
+        c.order_images({'front': front})
+
+
+def test_action_dims_map_to_action_joint_names_and_extra_dims_are_ignored():
+    c = contract(action_joint_names=['a', 'b', 'c'])
+    actions = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    np.testing.assert_array_equal(c.joint_positions(actions), actions[:, :3])
+
+
+def test_more_action_joints_than_action_dim_is_an_error():
+    with pytest.raises(ValueError, match='9 joints.*action_dim'):
+        contract(action_joint_names=[f'a{i}' for i in range(9)])
+
+
+def test_postprocess_unnormalizes_actions():
+    c = contract()
+    q01 = np.float32(TINY.norm_stats.action_q01)
+    q99 = np.float32(TINY.norm_stats.action_q99)
+    out = c.postprocess(np.stack([-np.ones(8), np.ones(8)]).astype(np.float32))
+    np.testing.assert_allclose(out, np.stack([q01, q99]), rtol=1e-6, atol=1e-6)
+
+
+def test_gripper_threshold_binarizes_its_dimension_only():
+    c = contract(gripper=GripperThreshold(dim=7, threshold=128.0, open_value=0.0,
+                                          closed_value=1.0))
+    normalized = np.zeros((3, 8), np.float32)
+    normalized[:, 7] = [-1.0, 0.0, 1.0]          # -> 0, 127.5, 255 on the gripper scale
+    out = c.postprocess(normalized)
+    np.testing.assert_array_equal(out[:, 7], [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(out[:, :7], c.action_normalizer.unnormalize(normalized)[:, :7])
+
+
+def test_gripper_dim_outside_action_dims_is_an_error():
+    with pytest.raises(ValueError, match='gripper dim 8'):
+        contract(gripper=GripperThreshold(dim=8, threshold=0.5))
+
+
+def test_postprocess_rejects_wrong_action_width():
+    with pytest.raises(ValueError, match=r'\(horizon, 8\)'):
+        contract().postprocess(np.zeros((16, 7), np.float32))
+
+
+# ---------------------------------------------------------------- Preprocessor
+@pytest.fixture(scope='module')
+def preprocessor():
+    return Preprocessor(TINY, tiny_tokenizer(TINY.tokens), contract())
+
+
+def observation(n_images=2, state=None, instruction='pick up the cube'):
+    rng = np.random.default_rng(1)
+    images = tuple(rng.integers(0, 256, (24 + k, 32, 3), dtype=np.uint8) for k in range(n_images))
+    state = np.zeros(8, np.float32) if state is None else state
+    return Observation(images=images, state=state, instruction=instruction)
+
+
+def test_preprocessor_builds_model_inputs_with_documented_shapes(preprocessor):
+    inputs = preprocessor(observation())
+    length = inputs.input_ids.shape[1]
+    assert inputs.input_ids.dtype == np.int64 and inputs.input_ids.shape == (1, length)
+    assert inputs.images.dtype == np.uint8 and inputs.images.shape == (1, 2, 729, 588)
+    assert inputs.token_pooling.shape == (1, 2 * 196, 4)
+    assert inputs.image_positions.shape == (1, 2 * 196)
+    assert inputs.states.dtype == np.float32 and inputs.states.shape == (1, 1, 8)
+    assert (inputs.input_ids[0, inputs.image_positions[0]] == TINY.tokens.im_patch).all()
+
+
+def test_preprocessor_rejects_image_count_other_than_the_contract(preprocessor):
+    with pytest.raises(ValueError, match='3 images.*2 cameras'):
+        preprocessor(observation(n_images=3))
+
+
+def test_preprocessor_names_the_camera_of_a_bad_image(preprocessor):
+    obs = observation()
+    bad = Observation(images=(obs.images[0], obs.images[1][..., 0]), state=obs.state,
+                      instruction=obs.instruction)
+    with pytest.raises(ValueError, match="camera 'wrist'"):
+        preprocessor(bad)
+
+
+def test_text_inputs_are_cached_per_instruction_and_camera_count(preprocessor):
+    first = preprocessor.text_inputs('open the drawer', 2)
+    assert preprocessor.text_inputs('open the drawer', 2) is first
+    assert preprocessor.text_inputs('close the drawer', 2) is not first
+    assert not first.input_ids.flags.writeable
+
+
+def test_preprocessor_postprocess_returns_robot_units(preprocessor):
+    out = preprocessor.postprocess(np.zeros((16, 8), np.float32))
+    q01 = np.float32(TINY.norm_stats.action_q01)
+    q99 = np.float32(TINY.norm_stats.action_q99)
+    np.testing.assert_allclose(out, np.broadcast_to((q01 + q99) / 2, (16, 8)), atol=1e-5)
