@@ -178,7 +178,7 @@ class PolicyNode(LifecycleNode):
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
         self._sync: ObservationSynchronizer | None = None
-        self._subscriptions = []
+        self._input_subscriptions = []
         self._trajectory_pub = None
         self._array_pub = None
         self._chunk_info_pub = None
@@ -275,11 +275,11 @@ class PolicyNode(LifecycleNode):
                                     history=HistoryPolicy.KEEP_LAST)
         inputs = ReentrantCallbackGroup()
         for topic in self._sync.camera_topics:
-            self._subscriptions.append(self.create_subscription(
+            self._input_subscriptions.append(self.create_subscription(
                 Image, topic, functools.partial(self._on_image, topic), camera_qos,
                 callback_group=inputs))
         # best effort subscriptions also match reliable publishers
-        self._subscriptions.append(self.create_subscription(
+        self._input_subscriptions.append(self.create_subscription(
             JointState, self._param('joint_state_topic'), self._on_joint_state,
             qos_profile_sensor_data, callback_group=inputs))
         self._trajectory_pub = self.create_publisher(JointTrajectory,
@@ -302,9 +302,9 @@ class PolicyNode(LifecycleNode):
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_worker()
-        for subscription in self._subscriptions:
+        for subscription in self._input_subscriptions:
             self.destroy_subscription(subscription)
-        self._subscriptions = []
+        self._input_subscriptions = []
         for publisher in (self._trajectory_pub, self._array_pub, self._chunk_info_pub,
                           self._diagnostics_pub):
             if publisher is not None:
