@@ -14,8 +14,9 @@ class Observation:
     Attributes:
         images: one uint8 RGB array of shape (H, W, 3) per camera, in the model's image
             order (camera k becomes "Image k+1"). Cameras may differ in size.
-        state: float32 array (state_dim,), raw robot units (rad for revolute joints), in the
-            order of the configured joint names.
+        state: float32 array (n_joints,), raw robot units (rad for revolute joints), in the
+            order of the configured joint names; n_joints <= the model's state_dim (the
+            engine zero-pads the normalized state to state_dim).
         instruction: the task text, e.g. "pick up the red cube".
         stamp: seconds, ROS time; the oldest sensor header stamp that went into this
             observation (the age of the observation is measured from it).
