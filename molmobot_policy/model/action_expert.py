@@ -252,9 +252,14 @@ class ActionExpert(nn.Module):
 
     # -- per-step pieces -----------------------------------------------------------------
 
+    def embed_time(self, t: torch.Tensor) -> torch.Tensor:
+        """t float (B,) -> c (B, hidden): Linear(SiLU(Linear(sinusoid(t)))), param dtype."""
+        sinusoid = self.time_embed[0](t).to(self.dtype)
+        return self.time_embed[1:](sinusoid)
+
     def time_conditioning(self, t: torch.Tensor) -> TimeConditioning:
         """t float (B,) in [0, 1] -> every block's (and the final layer's) AdaLN modulation."""
-        c = self.time_embed(t).to(self.dtype)
+        c = self.embed_time(t)
         return TimeConditioning(torch.stack([block.modulation(c) for block in self.blocks]),
                                 self.final_layer.modulation(c))
 
@@ -289,7 +294,7 @@ class ActionExpert(nn.Module):
         self._check_context_inputs(hidden, encoder_mask)
         state_tokens = self.encode_states(states)
         bias = self.cross_mask_bias(encoder_mask, states.shape[1])
-        c = self.time_embed(t).to(self.dtype)
+        c = self.embed_time(t)
         x = self.embed_actions(x_t, state_tokens)
         for block, hidden_i in zip(self.blocks, hidden.unbind(0)):
             k, v = block.attn2.key_values(self.block_context(hidden_i, state_tokens))

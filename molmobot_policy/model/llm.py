@@ -127,6 +127,13 @@ class Llm(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(
             self.cfg.head_dim, self.cfg.max_sequence_length, self.cfg.rope_theta, device)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)`, `.half()` or `.to_empty()` would cast or blank the RoPE tables; they
+        # are rebuilt in float32 on the buffers' new device instead.
+        super()._apply(fn, recurse)
+        self.reset_buffers(self.rope_cos.device)
+        return self
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attn_bias: torch.Tensor) -> torch.Tensor:
         """x (B, L, d_model) input embeddings; position_ids int64 (B, L) in

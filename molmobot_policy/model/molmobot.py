@@ -28,7 +28,7 @@ class MolmoBot(nn.Module):
 
     def __init__(self, cfg: MolmoBotConfig):
         super().__init__()
-        self.cfg = cfg
+        self.config = self.cfg = cfg
         self.vision_backbone = MolmoVisionBackbone(cfg.vit, cfg.connector, cfg.llm)
         self.transformer = Llm(cfg.llm)
         self.action_expert = ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
