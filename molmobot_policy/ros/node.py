@@ -261,6 +261,10 @@ class PolicyNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
         self.get_logger().info(f'configured in {time.monotonic() - started:.1f} s; engine mode '
                                f'{dict(self.engine.mode)}')
+        if not self._param('instruction'):
+            self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
+                                      'observations without one; set it (it may change at '
+                                      'run time)')
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:

@@ -1,0 +1,130 @@
+"""The policy node's lifecycle, driven through its lifecycle services as lifecycle tooling
+would (`/molmobot_policy/change_state`, `/molmobot_policy/get_state`), with autostart off;
+and the configure-time refusal of a camera list longer than the model's max_images."""
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip('rclpy')
+
+from lifecycle_msgs.msg import State, Transition  # noqa: E402
+from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
+CAMERAS = [f'/lifecycle_cam{k}/image_raw' for k in range(2)]
+PARAMETERS = {
+    'autostart': False,
+    'camera_topics': CAMERAS,
+    'joint_state_topic': '/lifecycle_joint_states',
+    'joint_names': JOINTS,
+    'action_joint_names': JOINTS,
+    'instruction': 'pick up the brick',
+    'chunk_period': 0.5,
+    'control_period': 0.2,
+    'max_image_age': 1.0,
+    'max_state_age': 1.0,
+    'model': 'tiny',
+}
+SERVICE_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope='module')
+def lifecycle(start_policy_node, ros):
+    node = start_policy_node(PARAMETERS)
+    change = ros.node.create_client(ChangeState, '/molmobot_policy/change_state')
+    get = ros.node.create_client(GetState, '/molmobot_policy/get_state')
+    if not (change.wait_for_service(SERVICE_TIMEOUT) and get.wait_for_service(SERVICE_TIMEOUT)):
+        pytest.fail(f'lifecycle services did not appear; node log:\n{node.log()}')
+    received = []
+    ros.node.create_subscription(JointTrajectory, '/molmobot_policy/joint_trajectory',
+                                 lambda m: received.append(time.monotonic()), 10)
+    cameras = [ros.node.create_publisher(Image, t, qos_profile_sensor_data) for t in CAMERAS]
+    joints = ros.node.create_publisher(JointState, '/lifecycle_joint_states', 10)
+    pixels = np.zeros((32, 40, 3), np.uint8).tobytes()
+
+    def publish():
+        stamp = ros.node.get_clock().now().to_msg()
+        for camera in cameras:
+            msg = Image(height=32, width=40, encoding='rgb8', step=120, data=pixels)
+            msg.header.stamp = stamp
+            camera.publish(msg)
+        state = JointState(name=JOINTS, position=[0.0] * len(JOINTS))
+        state.header.stamp = stamp
+        joints.publish(state)
+
+    ros.node.create_timer(0.1, publish)
+    return node, change, get, received
+
+
+def _call(client, request, timeout=SERVICE_TIMEOUT):
+    future = client.call_async(request)
+    deadline = time.monotonic() + timeout
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert future.done(), f'{client.srv_name} did not answer within {timeout} s'
+    return future.result()
+
+
+def _state(get) -> int:
+    return _call(get, GetState.Request()).current_state.id
+
+
+def _transition(change, transition_id) -> bool:
+    return _call(change, ChangeState.Request(transition=Transition(id=transition_id))).success
+
+
+def test_without_autostart_the_node_waits_unconfigured(lifecycle):
+    node, change, get, received = lifecycle
+    assert _state(get) == State.PRIMARY_STATE_UNCONFIGURED
+    assert received == []
+
+
+def test_configure_builds_the_engine_and_stays_inactive(lifecycle, ros):
+    node, change, get, received = lifecycle
+    assert _transition(change, Transition.TRANSITION_CONFIGURE), node.log()
+    assert _state(get) == State.PRIMARY_STATE_INACTIVE
+    assert 'warming up the engine' in node.log()
+    time.sleep(1.0)
+    assert received == []
+
+
+def test_activate_starts_publishing_chunks(lifecycle, ros):
+    node, change, get, received = lifecycle
+    assert _transition(change, Transition.TRANSITION_ACTIVATE), node.log()
+    assert _state(get) == State.PRIMARY_STATE_ACTIVE
+    assert ros.wait_for(lambda: len(received) >= 2, 20.0), node.log()
+
+
+def test_deactivate_stops_publishing(lifecycle, ros):
+    node, change, get, received = lifecycle
+    assert _transition(change, Transition.TRANSITION_DEACTIVATE), node.log()
+    assert _state(get) == State.PRIMARY_STATE_INACTIVE
+    stopped = time.monotonic()
+    time.sleep(1.5)
+    assert [t for t in received if t > stopped + 0.2] == []
+
+
+def test_cleanup_releases_the_engine_and_shutdown_finalizes(lifecycle):
+    node, change, get, received = lifecycle
+    assert _transition(change, Transition.TRANSITION_CLEANUP), node.log()
+    assert _state(get) == State.PRIMARY_STATE_UNCONFIGURED
+    assert _transition(change, Transition.TRANSITION_UNCONFIGURED_SHUTDOWN), node.log()
+    assert _state(get) == State.PRIMARY_STATE_FINALIZED
+    assert node.running()          # finalized, still answering until stopped
+    assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
+
+
+def test_more_cameras_than_max_images_is_refused_at_configure(start_policy_node):
+    parameters = dict(PARAMETERS, autostart=True,
+                      camera_topics=[f'/cam{k}/image_raw' for k in range(9)])
+    node = start_policy_node(parameters)
+    node.process.wait(timeout=60.0)
+    assert node.process.returncode == 1
+    error = [line for line in node.log().splitlines() if 'configure failed' in line]
+    assert error and '9' in error[0] and 'max_images=8' in error[0], node.log()
