@@ -1,0 +1,26 @@
+"""Launch the MolmoBot policy node with a parameter file (full ROS 2 install).
+
+    ros2 launch molmobot_policy policy.launch.py params_file:=/path/to/policy.yaml
+"""
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+
+def generate_launch_description():
+    default_params = os.path.join(get_package_share_directory('molmobot_policy'), 'config',
+                                  'policy_tiny.yaml')
+    return LaunchDescription([
+        DeclareLaunchArgument('params_file', default_value=default_params,
+                              description='policy node parameter file'),
+        DeclareLaunchArgument('use_sim_time', default_value='false',
+                              description='follow /clock'),
+        Node(package='molmobot_policy', executable='policy_node', name='molmobot_policy',
+             output='screen', emulate_tty=True,
+             parameters=[LaunchConfiguration('params_file'),
+                         {'use_sim_time': LaunchConfiguration('use_sim_time')}]),
+    ])

@@ -1,0 +1,30 @@
+"""Launch the simulated Jaco robot and the policy node together (full ROS 2 install).
+
+    ros2 launch molmobot_policy sim_demo.launch.py
+    ros2 launch molmobot_policy sim_demo.launch.py policy_params_file:=... sim_params_file:=...
+"""
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+
+def generate_launch_description():
+    config = os.path.join(get_package_share_directory('molmobot_policy'), 'config')
+    return LaunchDescription([
+        DeclareLaunchArgument('policy_params_file',
+                              default_value=os.path.join(config, 'policy_tiny.yaml'),
+                              description='policy node parameter file'),
+        DeclareLaunchArgument('sim_params_file', default_value=os.path.join(config, 'sim.yaml'),
+                              description='simulated robot parameter file'),
+        SetEnvironmentVariable('MUJOCO_GL', os.environ.get('MUJOCO_GL', 'egl')),
+        Node(package='molmobot_policy', executable='sim_robot', name='sim_robot',
+             output='screen', emulate_tty=True,
+             parameters=[LaunchConfiguration('sim_params_file')]),
+        Node(package='molmobot_policy', executable='policy_node', name='molmobot_policy',
+             output='screen', emulate_tty=True,
+             parameters=[LaunchConfiguration('policy_params_file')]),
+    ])
