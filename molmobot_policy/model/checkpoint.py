@@ -75,7 +75,8 @@ def _llm_config(llm: dict) -> LlmConfig:
         n_kv_heads=n_kv_heads, head_dim=int(_get(llm, 'head_dim', w, None) or d_model // n_heads),
         mlp_hidden=int(mlp_hidden_size) // 2, vocab_size=int(vocab),
         additional_vocab_size=int(_get(llm, 'additional_vocab_size', w, None) or 0),
-        rope_theta=float(_get(llm, 'rope_theta', w)), norm_eps=float(_get(llm, 'layer_norm_eps', w)),
+        rope_theta=float(_get(llm, 'rope_theta', w)),
+        norm_eps=float(_get(llm, 'layer_norm_eps', w)),
         max_sequence_length=int(_get(llm, 'max_sequence_length', w)), qk_norm=bool(qk_norm))
 
 
@@ -299,7 +300,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = 'cpu',
             all; unexpected keys are tolerated when strict=False).
     """
     config_file, weight_files = _checkpoint_files(Path(path))
-    cfg = config_from_upstream(yaml.safe_load(config_file.read_text()), **token_ids)
+    cfg = config_from_upstream(yaml.safe_load(config_file.read_text()),
+                               name=config_file.parent.name, **token_ids)
     with torch.device('meta'):
         model = MolmoBot(cfg)
     state = _read_state_dict(weight_files)
