@@ -18,9 +18,9 @@ from .vision import MolmoVisionBackbone
 
 
 class MolmoBot(nn.Module):
-    """The policy model. `MolmoBot(MolmoBotConfig.from_name('tiny'))` builds random-free
-    placeholder weights; load a checkpoint (`checkpoint.load_checkpoint`) or call
-    `checkpoint.init_random_`.
+    """The policy model. `MolmoBot(cfg)` has PyTorch's default initialization; load a
+    checkpoint (`checkpoint.load_checkpoint`) or draw weights (`checkpoint.random_model`,
+    `checkpoint.init_random_`).
 
     Non-persistent buffers (not state-dict keys): `transformer.rope_cos/rope_sin` and
     `image_special_ids`; rebuild them with `reset_buffers(device)` after a meta-device build.
