@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from molmobot_policy.model.checkpoint import init_random_  # noqa: E402
+from molmobot_policy.model.checkpoint import random_model  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.model.molmobot import MolmoBot  # noqa: E402
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
@@ -141,6 +141,12 @@ def recompile_check(engine: PolicyEngine, obs: Observation, max_words: int = 200
             'new_calls_captured': after.get('calls_captured', 0) - before.get('calls_captured', 0)}
 
 
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(data, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--preset', default='molmobot-4b-8cam')
@@ -156,10 +162,7 @@ def main() -> None:
     device = args.device
     cfg = MolmoBotConfig.from_name(args.preset)
     t0 = time.perf_counter()
-    with torch.device(device):
-        model = MolmoBot(cfg)
-    init_random_(model, seed=0)
-    model.to(dtype=torch.bfloat16).eval().requires_grad_(False)
+    model = random_model(cfg, seed=0, device=device, dtype=torch.bfloat16).requires_grad_(False)
     build_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
     print(f'built {args.preset}: {n_params / 1e9:.3f} B parameters in {build_s:.1f} s', flush=True)
@@ -172,7 +175,7 @@ def main() -> None:
                                           instruction=INSTRUCTION), model=model)
         length = probe.text_inputs(INSTRUCTION).length
         base = probe.text_inputs('x').length
-        buckets = tuple(sorted({-(-(base + extra) // 64) * 64 for extra in (32, 96, 224)}))
+        buckets = tuple(sorted({-(-(base + extra) // 64) * 64 for extra in (32, 224)}))
         del probe
         print(f'prompt: {length} tokens for the benchmark instruction; auto buckets {buckets}')
     else:
@@ -185,6 +188,7 @@ def main() -> None:
         row = run_rung(name, model, configs[name], obs, noise, args.iters, device)
         last_engine = row.pop('engine')
         rows.append(row)
+        write_json(args.out, {'partial': True, 'rows': rows})
         g, q = row['generate_actions_ms'], row['full_query_ms']
         print(f'  {name}: generate_actions median {g["median"]:.2f} ms p99 {g["p99"]:.2f}; '
               f'full query median {q["median"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s', flush=True)
@@ -205,9 +209,7 @@ def main() -> None:
               'buckets': list(buckets), 'rows': rows}
     if args.recompile_check and last_engine is not None:
         result['recompile_check'] = recompile_check(last_engine, obs)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w') as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
     print(f'\n{result["gpu"]}, torch {result["torch"]}, {args.preset}, {result["date"]}')
     head = (f'{"rung":<13}{"gen med":>9}{"gen p99":>9}{"gen max":>9}{"query med":>10}'

@@ -156,7 +156,6 @@ class PolicyEngine:
 
     def __init__(self, config: EngineConfig, model=None) -> None:
         from molmobot_policy.model import checkpoint as ckpt
-        from molmobot_policy.model.molmobot import MolmoBot
 
         self.config = config
         self.device = torch.device(config.device)
@@ -170,10 +169,7 @@ class PolicyEngine:
                 config.checkpoint_path, device=self.device, dtype=self.dtype)
         else:
             self.model_config = MolmoBotConfig.from_name(config.model)
-            with torch.device(self.device):
-                self.model = MolmoBot(self.model_config)
-            ckpt.init_random_(self.model, config.seed)
-            self.model.to(dtype=self.dtype)
+            self.model = ckpt.random_model(self.model_config, config.seed, self.device, self.dtype)
         self.model.eval().requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
         mcfg = self.model_config

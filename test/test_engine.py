@@ -1,0 +1,201 @@
+"""PolicyEngine on the CPU with the tiny model: the serving contract, padding, caching, compile."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
+from molmobot_policy.types import Observation
+
+INSTRUCTION = 'pick up the red cube'
+
+
+def observation(cameras: int = 8, size=(48, 64), seed: int = 0, instruction: str = INSTRUCTION,
+                joints: int = 7) -> Observation:
+    rng = np.random.default_rng(seed)
+    images = tuple(rng.integers(0, 256, (*size, 3), dtype=np.uint8) for _ in range(cameras))
+    state = rng.uniform(-1, 1, joints).astype(np.float32)
+    return Observation(images=images, state=state, instruction=instruction, stamp=1.5, seq=3)
+
+
+def noise(engine: PolicyEngine, seed: int = 0) -> np.ndarray:
+    cfg = engine.model_config
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((cfg.action_horizon, cfg.action_dim)).astype(np.float32)
+
+
+@pytest.fixture(scope='module')
+def engine() -> PolicyEngine:
+    return PolicyEngine(EngineConfig(model='tiny', seed=0))
+
+
+def test_predict_returns_a_chunk_in_robot_units(engine):
+    chunk = engine.predict(observation())
+    cfg = engine.model_config
+    assert chunk.actions.shape == (cfg.action_horizon, cfg.action_dim)
+    assert chunk.actions.dtype == np.float32
+    assert np.isfinite(chunk.actions).all()
+    q01 = np.asarray(cfg.norm_stats.action_q01, np.float32)
+    q99 = np.asarray(cfg.norm_stats.action_q99, np.float32)
+    np.testing.assert_allclose(chunk.actions, (chunk.actions_normalized + 1) * (q99 - q01) / 2 + q01,
+                               rtol=1e-6, atol=1e-5)
+    assert chunk.observation_stamp == 1.5 and chunk.observation_seq == 3
+    assert chunk.inference_ms > 0
+
+
+def test_same_noise_gives_identical_actions(engine):
+    obs = observation()
+    a = engine.predict(obs, noise=noise(engine)).actions
+    b = engine.predict(obs, noise=noise(engine)).actions
+    assert np.array_equal(a, b)
+
+
+def test_seeded_engines_draw_the_same_noise_sequence():
+    obs = observation()
+    first = [PolicyEngine(EngineConfig(model='tiny', seed=5)).predict(obs).actions
+             for _ in range(2)]
+    assert np.array_equal(first[0], first[1])
+
+
+def test_images_change_the_actions(engine):
+    a = engine.predict(observation(seed=0), noise=noise(engine)).actions_normalized
+    obs = observation(seed=0)
+    flipped = tuple(img[::-1].copy() for img in obs.images)
+    b = engine.predict(Observation(images=flipped, state=obs.state, instruction=INSTRUCTION),
+                       noise=noise(engine)).actions_normalized
+    assert np.abs(a - b).max() > 1e-4
+
+
+def test_wrong_camera_count_is_rejected(engine):
+    with pytest.raises(ValueError, match='expects 8'):
+        engine.predict(observation(cameras=7))
+
+
+def test_non_uint8_image_is_rejected_with_its_index(engine):
+    obs = observation()
+    images = list(obs.images)
+    images[2] = images[2].astype(np.float32)
+    with pytest.raises(ValueError, match='image 2'):
+        engine.predict(Observation(images=tuple(images), state=obs.state, instruction=INSTRUCTION))
+
+
+def test_non_finite_state_is_rejected(engine):
+    obs = observation()
+    state = obs.state.copy()
+    state[1] = np.nan
+    with pytest.raises(ValueError, match='non-finite'):
+        engine.predict(Observation(images=obs.images, state=state, instruction=INSTRUCTION))
+
+
+def test_empty_instruction_is_rejected(engine):
+    with pytest.raises(ValueError, match='instruction'):
+        engine.predict(observation(instruction='  '))
+
+
+def test_more_cameras_than_the_checkpoint_allows_is_refused():
+    with pytest.raises(ValueError, match='max_images'):
+        PolicyEngine(EngineConfig(model='tiny', num_cameras=9))
+
+
+def test_kv_cache_and_recomputed_context_give_identical_actions():
+    obs = observation()
+    cached = PolicyEngine(EngineConfig(model='tiny', kv_cache=True))
+    uncached = PolicyEngine(EngineConfig(model='tiny', kv_cache=False), model=cached.model)
+    n = noise(cached)
+    assert np.array_equal(cached.predict(obs, noise=n).actions_normalized,
+                          uncached.predict(obs, noise=n).actions_normalized)
+
+
+def test_padded_prompt_matches_unpadded_within_float_noise(engine):
+    padded = PolicyEngine(EngineConfig(model='tiny', buckets=(2048,)), model=engine.model)
+    obs = observation()
+    n = noise(engine)
+    text = padded.text_inputs(INSTRUCTION)
+    assert text.bucket == 2048 and text.input_ids.shape == (1, 2048)
+    assert int(text.attention_mask.sum()) == text.length < 2048
+    a = engine.predict(obs, noise=n).actions_normalized
+    b = padded.predict(obs, noise=n).actions_normalized
+    np.testing.assert_allclose(b, a, atol=2e-5)
+
+
+def test_prompt_goes_to_the_smallest_bucket_that_fits(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base - 1, base + 10, base + 100)),
+                     model=engine.model)
+    assert e.text_inputs(INSTRUCTION).bucket == base + 10
+
+
+def test_overlong_instruction_is_rejected_by_default(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,)), model=engine.model)
+    with pytest.raises(ValueError, match='too long'):
+        e.text_inputs(INSTRUCTION + ' and then put it into the blue bowl on the left')
+
+
+def test_overlong_instruction_is_truncated_when_asked(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), overlong='truncate'),
+                     model=engine.model)
+    text = e.text_inputs(INSTRUCTION + ' and then put it into the blue bowl on the left')
+    assert text.length <= base + 8 and text.bucket == base + 8
+    chunk = e.predict(observation(instruction=INSTRUCTION + ' and then put it into the blue'
+                                  ' bowl on the left'))
+    assert np.isfinite(chunk.actions).all()
+
+
+def test_gripper_threshold_binarises_one_dimension(engine):
+    e = PolicyEngine(EngineConfig(model='tiny', gripper_index=7, gripper_threshold=128.0,
+                                  gripper_open=0.0, gripper_closed=1.0), model=engine.model)
+    actions = e.predict(observation()).actions
+    assert set(np.unique(actions[:, 7])) <= {0.0, 1.0}
+
+
+def test_cuda_graphs_need_buckets_and_a_cuda_device():
+    with pytest.raises(ValueError, match='buckets'):
+        EngineConfig(cuda_graphs=True, device='cuda')
+    with pytest.raises(ValueError, match='CUDA'):
+        EngineConfig(cuda_graphs=True, buckets=(2048,), device='cpu')
+
+
+def test_unknown_options_are_rejected_by_name():
+    with pytest.raises(ValueError, match='dtype'):
+        EngineConfig(dtype='float8')
+    with pytest.raises(ValueError, match='quantize'):
+        EngineConfig(quantize='int4')
+
+
+def test_mode_reports_the_engine_settings(engine):
+    mode = engine.mode
+    assert mode['model'] == 'tiny' and mode['compile'] == 'False' and mode['fp8'] == 'none'
+
+
+def test_close_releases_the_model():
+    e = PolicyEngine(EngineConfig(model='tiny'))
+    e.close()
+    assert e.model is None
+
+
+def test_compiled_engine_matches_eager_and_never_recompiles_after_warmup(engine):
+    """Inductor on the CPU (regional compile of the repeated blocks), one bucket."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)),
+                            model=_copy_model(engine))
+    compiled.warmup()
+    before = counters['stats']['unique_graphs']
+    obs = observation()
+    n = noise(engine)
+    eager = PolicyEngine(EngineConfig(model='tiny', buckets=(2048,)), model=engine.model)
+    np.testing.assert_allclose(compiled.predict(obs, noise=n).actions_normalized,
+                               eager.predict(obs, noise=n).actions_normalized, atol=1e-4)
+    for words in (1, 5, 17, 40):
+        instruction = ' '.join(['grasp'] * words)
+        compiled.predict(observation(instruction=instruction))
+    assert counters['stats']['unique_graphs'] == before
+
+
+def _copy_model(engine: PolicyEngine):
+    import copy
+    return copy.deepcopy(engine.model)
