@@ -135,42 +135,80 @@ def _connector_config(vb: dict, image: dict, vit: VitConfig, llm: LlmConfig) -> 
         pooling_attention_mask=bool(_expect(vb, 'pooling_attention_mask', w, (True, False))))
 
 
-def _norm_stats(model: dict) -> NormStats:
+def _quantiles(stats: dict, key: str, where: str) -> tuple[list[float], list[float]]:
+    """(q01, q99) float lists of one stats entry (e.g. 'observation.state' or 'action')."""
+    entry = _get(stats, key, where)
+    q01 = [float(v) for v in _get(entry, 'q01', f'{where}.{key}')]
+    q99 = [float(v) for v in _get(entry, 'q99', f'{where}.{key}')]
+    if len(q01) != len(q99):
+        raise ValueError(f'config field {where}.{key}: q01 has {len(q01)} entries but q99 has '
+                         f'{len(q99)}')
+    return q01, q99
+
+
+def _repo_stats(processor: dict, where: str, norm_stats_key: str | None) -> tuple[str, dict]:
+    """(key, stats_by_repo[key]) of a robot pre/postprocessor; key default: default_repo_id."""
+    stats_by_repo = _get(processor, 'stats_by_repo', where)
+    if not isinstance(stats_by_repo, dict):
+        raise ValueError(f'config field {where}.stats_by_repo must be a mapping, got '
+                         f'{stats_by_repo!r}')
+    key = norm_stats_key or _get(processor, 'default_repo_id', where)
+    if key not in stats_by_repo:
+        origin = 'norm_stats_key' if norm_stats_key else f'{where}.default_repo_id'
+        raise ValueError(f'normalization stats key {key!r} ({origin}) is not in '
+                         f'{where}.stats_by_repo; available keys: {sorted(stats_by_repo)}')
+    return key, stats_by_repo[key]
+
+
+def _norm_stats(model: dict, norm_stats_key: str | None = None) -> NormStats:
+    """Quantile stats of `stats_by_repo[norm_stats_key or default_repo_id]`: the state from
+    `robot_preprocessor` (state_keys concatenated), the action from `robot_postprocessor`
+    (what upstream unnormalizes with), or from `robot_preprocessor` when the config has no
+    postprocessor."""
     w = 'model.robot_preprocessor'
     pre = _get(model, 'robot_preprocessor', 'model')
     if not isinstance(pre, dict):
         raise ValueError(f'config field {w} must be a mapping, got {pre!r}')
     modes = {_expect(pre, 'state_norm_mode', w, ('quantiles',)),
              _expect(pre, 'action_norm_mode', w, ('quantiles',))}
-    repo = _get(pre, 'default_repo_id', w)
-    stats_by_repo = _get(pre, 'stats_by_repo', w)
-    if repo not in stats_by_repo:
-        raise ValueError(f'config field {w}.default_repo_id = {repo!r} has no entry in '
-                         f'stats_by_repo (has {sorted(stats_by_repo)})')
-    stats = stats_by_repo[repo]
+    key, stats = _repo_stats(pre, w, norm_stats_key)
     state_q01, state_q99 = [], []
-    for key in _get(pre, 'state_keys', w):
-        state_q01 += [float(v) for v in stats[key]['q01']]
-        state_q99 += [float(v) for v in stats[key]['q99']]
-    action = stats[_get(pre, 'action_key', w)]
-    return NormStats(state_q01=state_q01, state_q99=state_q99,
-                     action_q01=[float(v) for v in action['q01']],
-                     action_q99=[float(v) for v in action['q99']], mode=modes.pop())
+    for state_key in _get(pre, 'state_keys', w):
+        q01, q99 = _quantiles(stats, state_key, f'{w}.stats_by_repo.{key}')
+        state_q01 += q01
+        state_q99 += q99
+    post, wp = model.get('robot_postprocessor'), 'model.robot_postprocessor'
+    if isinstance(post, dict):
+        _expect(post, 'action_norm_mode', wp, ('quantiles',), 'quantiles')
+        _, post_stats = _repo_stats(post, wp, key)
+        action_q01, action_q99 = _quantiles(post_stats, _get(post, 'action_key', wp),
+                                            f'{wp}.stats_by_repo.{key}')
+    else:
+        action_q01, action_q99 = _quantiles(stats, _get(pre, 'action_key', w),
+                                            f'{w}.stats_by_repo.{key}')
+    return NormStats(state_q01=state_q01, state_q99=state_q99, action_q01=action_q01,
+                     action_q99=action_q99, mode=modes.pop())
 
 
 def config_from_upstream(cfg_dict: dict, *, bos: int | None = None,
                          chat_im_start: int | None = None, chat_im_end: int | None = None,
-                         name: str = 'upstream') -> MolmoBotConfig:
+                         name: str = 'upstream',
+                         norm_stats_key: str | None = None) -> MolmoBotConfig:
     """`MolmoBotConfig` from an upstream `config.yaml`, given as a dict (the whole file, or
     its `model:` section).
 
     Reads every field that changes the math (sizes, heads, eps, rope_theta, ViT layers,
     pooling, attention mask mode, action expert, flow steps, normalization stats of
-    `robot_preprocessor.stats_by_repo[default_repo_id]`; state_dim = length of the state stats).
+    `stats_by_repo[norm_stats_key]`, default key `robot_preprocessor.default_repo_id`;
+    state_dim = length of the state stats).
     bos / chat_im_start / chat_im_end: token ids, default from KNOWN_CHAT_IDS by vocab size.
+    norm_stats_key: the dataset whose statistics to use (e.g. 'synthmanip'); None or '' =
+        the checkpoint's default_repo_id.
 
     Raises:
-        ValueError: a missing field, or an unknown / unsupported value (named with its value).
+        ValueError: a missing field, or an unknown / unsupported value (named with its value);
+            a norm_stats_key the config has no stats for (the message lists the keys it has);
+            action stats whose length differs from model.action_dim.
     """
     model = cfg_dict.get('model', cfg_dict) if isinstance(cfg_dict, dict) else None
     if not isinstance(model, dict) or 'llm' not in model:
@@ -205,12 +243,13 @@ def config_from_upstream(cfg_dict: dict, *, bos: int | None = None,
                          f'hidden_size = {ae_cfg.hidden_size}')
 
     bidir = _expect(model, 'bi_directional_attn', 'model', ('image_tokens', None, False), None)
-    stats = _norm_stats(model)
+    stats = _norm_stats(model, norm_stats_key)
+    key = norm_stats_key or model['robot_preprocessor']['default_repo_id']
     if len(stats.state_q01) > ae_cfg.hidden_size:
-        raise ValueError(f'state_dim {len(stats.state_q01)} (from the state stats) exceeds '
-                         f'{w}.hidden_size = {ae_cfg.hidden_size}')
+        raise ValueError(f'state_dim {len(stats.state_q01)} (from the state stats of {key!r}) '
+                         f'exceeds {w}.hidden_size = {ae_cfg.hidden_size}')
     if len(stats.action_q01) != action_dim:
-        raise ValueError(f'action stats have {len(stats.action_q01)} entries, '
+        raise ValueError(f'action stats of {key!r} have {len(stats.action_q01)} entries, '
                          f'model.action_dim = {action_dim}')
 
     ids = [bos, chat_im_start, chat_im_end]
@@ -245,20 +284,42 @@ def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _checkpoint_files(path: Path) -> tuple[Path, list[Path]]:
-    """(config.yaml, weight files) of a checkpoint directory or weight file."""
+def _config_file(path: Path) -> Path:
+    """config.yaml of a checkpoint directory, or of the directory holding a weight file."""
     directory = path if path.is_dir() else path.parent
     config = directory / 'config.yaml'
     if not config.is_file():
         raise FileNotFoundError(f'checkpoint {path}: no config.yaml in {directory}')
+    return config
+
+
+def _checkpoint_files(path: Path) -> tuple[Path, list[Path]]:
+    """(config.yaml, weight files) of a checkpoint directory or weight file."""
+    config = _config_file(path)
     if path.is_file():
         return config, [path]
-    if (directory / 'model.pt').is_file():
-        return config, [directory / 'model.pt']
-    shards = sorted(directory.glob('*.safetensors'))
+    if (path / 'model.pt').is_file():
+        return config, [path / 'model.pt']
+    shards = sorted(path.glob('*.safetensors'))
     if not shards:
         raise FileNotFoundError(f'checkpoint {path}: neither model.pt nor *.safetensors found')
     return config, shards
+
+
+def load_config(path: str | Path, norm_stats_key: str | None = None,
+                **token_ids: int) -> MolmoBotConfig:
+    """The `MolmoBotConfig` of a checkpoint (directory or weight file) from its config.yaml
+    alone, without reading any weights: cheap, for checking a robot's configuration before
+    the (possibly 10 GB) load. Arguments as `config_from_upstream`.
+
+    Raises:
+        FileNotFoundError: no config.yaml.
+        ValueError: as `config_from_upstream`.
+    """
+    config_file = _config_file(Path(path))
+    return config_from_upstream(yaml.safe_load(config_file.read_text()),
+                                name=config_file.parent.name, norm_stats_key=norm_stats_key,
+                                **token_ids)
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
@@ -285,23 +346,27 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor],
 
 def load_checkpoint(path: str | Path, device: torch.device | str = 'cpu',
                     dtype: torch.dtype = torch.float32, strict: bool = True,
+                    norm_stats_key: str | None = None,
                     **token_ids: int) -> tuple[MolmoBot, MolmoBotConfig]:
     """Load an upstream checkpoint (directory with config.yaml + model.pt or *.safetensors,
     or the weight file itself) as (MolmoBot in eval mode, its config).
 
     The model is built on the meta device, so each parameter is materialized once: the
     checkpoint tensors (model.pt is memory-mapped) are assigned, then cast to `dtype` and
-    moved to `device`; RoPE tables are rebuilt there. token_ids: bos / chat_im_start /
-    chat_im_end overrides for `config_from_upstream`.
+    moved to `device`; RoPE tables are rebuilt there. norm_stats_key: the dataset whose
+    normalization stats to use (None: the checkpoint's default_repo_id). token_ids: bos /
+    chat_im_start / chat_im_end overrides for `config_from_upstream`.
 
     Raises:
         FileNotFoundError: no config.yaml or no weights.
-        ValueError: unsupported config value, or mismatched keys/shapes (one error listing
-            all; unexpected keys are tolerated when strict=False).
+        ValueError: unsupported config value, unknown norm_stats_key, or mismatched
+            keys/shapes (one error listing all; unexpected keys are tolerated when
+            strict=False).
     """
     config_file, weight_files = _checkpoint_files(Path(path))
     cfg = config_from_upstream(yaml.safe_load(config_file.read_text()),
-                               name=config_file.parent.name, **token_ids)
+                               name=config_file.parent.name, norm_stats_key=norm_stats_key,
+                               **token_ids)
     with torch.device('meta'):
         model = MolmoBot(cfg)
     state = _read_state_dict(weight_files)

@@ -200,3 +200,61 @@ def load_tokenizer(path_or_dir: str | os.PathLike, tokens: TokenIds) -> TextToke
             raise ValueError(f'{path}: id {expected} (TokenIds.{field}, {name}) is the token '
                              f'{holder!r} in this file, not {name}')
     return tokenizer
+
+
+TOKENIZER_MODES = ('auto', 'tiny', 'file')
+
+
+def resolve_tokenizer(mode: str, tokens: TokenIds, tokenizer_path: str | os.PathLike = '',
+                      checkpoint_path: str | os.PathLike = '') -> TextTokenizer:
+    """The tokenizer a model is served with (the engine's `tokenizer` option).
+
+    Args:
+        mode: 'file': a Qwen tokenizer.json, from `tokenizer_path` (file or directory), else
+            beside the checkpoint. 'tiny': the self-contained tiny tokenizer (`tiny_tokenizer`).
+            'auto' (default): 'file' when `tokenizer_path` is set or a tokenizer.json lies
+            beside the checkpoint; else 'tiny' when the model's token ids are the tiny layout
+            (vocab 512: the tiny preset and checkpoints of its shape, such as the golden one,
+            whose own tokenizer is not shipped) or when there is no checkpoint (random
+            weights: any ids in range will do); else the error below.
+        tokens: the model config's TokenIds.
+        tokenizer_path: tokenizer.json or its directory; '' = beside the checkpoint.
+        checkpoint_path: the checkpoint directory or weight file; '' = random weights.
+    Returns:
+        TextTokenizer.
+    Raises:
+        ValueError: unknown mode; 'tiny' for a checkpoint whose token ids are not the tiny
+            ones (its vocabulary needs its own tokenizer).
+        FileNotFoundError: a checkpoint with a real vocabulary (e.g. Qwen3's 151936) and no
+            tokenizer.json beside it or at `tokenizer_path`; the message names the file.
+        See `load_tokenizer` for the special-token id checks.
+    """
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f'tokenizer must be one of {list(TOKENIZER_MODES)}, got {mode!r}')
+    tiny_ids = TokenIds.for_vocab(TINY_VOCAB_SIZE, bos=320, chat_im_start=321, chat_im_end=322)
+    beside = None
+    if checkpoint_path:
+        checkpoint = Path(checkpoint_path)
+        beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / 'tokenizer.json'
+    if mode == 'auto':
+        if tokenizer_path or (beside is not None and beside.is_file()):
+            mode = 'file'
+        elif beside is None or tokens == tiny_ids:
+            mode = 'tiny'
+        else:
+            raise FileNotFoundError(
+                f'no tokenizer for checkpoint {checkpoint_path}: its vocabulary '
+                f'({tokens.im_start} base ids) needs the Qwen tokenizer.json. Put tokenizer.json '
+                f'beside the checkpoint ({beside}) or set the `tokenizer_path` parameter to it')
+    if mode == 'tiny':
+        if beside is not None and tokens != tiny_ids:
+            raise ValueError(f'tokenizer=tiny, but checkpoint {checkpoint_path} has the token ids '
+                             f'{tokens}, not the tiny ones; give it its tokenizer.json '
+                             "(tokenizer='file' or 'auto')")
+        return tiny_tokenizer(tokens if beside is not None else None)
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path, tokens)
+    if beside is None:
+        raise FileNotFoundError("tokenizer='file' needs `tokenizer_path` (the Qwen "
+                                'tokenizer.json) or a checkpoint with tokenizer.json beside it')
+    return load_tokenizer(beside, tokens)

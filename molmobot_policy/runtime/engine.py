@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 from molmobot_policy.runtime.graphs import StaticRunner
 from molmobot_policy.types import ActionChunk, Observation
 
@@ -44,6 +45,12 @@ class EngineConfig:
         model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
         checkpoint_path: upstream checkpoint directory (config.yaml + model.pt/safetensors).
         tokenizer_path: Qwen tokenizer.json (file or directory); default: beside the checkpoint.
+        tokenizer: 'auto', 'tiny' or 'file' (`preprocess.tokenizer.resolve_tokenizer`): auto
+            takes tokenizer_path / the tokenizer.json beside the checkpoint, else the built-in
+            tiny tokenizer for tiny-vocabulary models and random weights, else fails naming
+            the file needed.
+        norm_stats_key: dataset key of the checkpoint's normalization stats
+            (`stats_by_repo`, e.g. 'synthmanip'); '' = the checkpoint's default_repo_id.
         device: 'cpu', 'cuda', 'cuda:1', ...
         dtype: serving dtype of the weights: 'float32' or 'bfloat16'.
         seed: seed of the random weights (no checkpoint) and of the flow noise.
@@ -66,6 +73,8 @@ class EngineConfig:
     model: str = 'tiny'
     checkpoint_path: str = ''
     tokenizer_path: str = ''
+    tokenizer: str = 'auto'
+    norm_stats_key: str = ''
     device: str = 'cpu'
     dtype: str = 'float32'
     seed: int = 0
@@ -89,6 +98,14 @@ class EngineConfig:
             raise ValueError(f'dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}')
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f'quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}')
+        if self.tokenizer not in TOKENIZER_MODES:
+            raise ValueError(f'tokenizer must be one of {TOKENIZER_MODES}, got {self.tokenizer!r}')
+        if self.norm_stats_key and not self.checkpoint_path:
+            raise ValueError(f'norm_stats_key={self.norm_stats_key!r} needs a checkpoint_path '
+                             '(presets carry one set of stats)')
+        if self.gripper_index < -1:
+            raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
+                             f'{self.gripper_index}')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
@@ -166,7 +183,8 @@ class PolicyEngine:
             self.model_config = model.config
         elif config.checkpoint_path:
             self.model, self.model_config = ckpt.load_checkpoint(
-                config.checkpoint_path, device=self.device, dtype=self.dtype)
+                config.checkpoint_path, device=self.device, dtype=self.dtype,
+                norm_stats_key=config.norm_stats_key or None)
         else:
             self.model_config = MolmoBotConfig.from_name(config.model)
             self.model = ckpt.random_model(self.model_config, config.seed, self.device, self.dtype)
@@ -177,6 +195,9 @@ class PolicyEngine:
         if self.num_cameras > mcfg.max_images:
             raise ValueError(f'num_cameras={self.num_cameras} exceeds the checkpoint\'s max_images='
                              f'{mcfg.max_images}; use at most {mcfg.max_images} cameras')
+        if config.gripper_index >= mcfg.action_dim:
+            raise ValueError(f'gripper_index={config.gripper_index} is not an action dimension '
+                             f'of this model (0..{mcfg.action_dim - 1}, or -1 for off)')
         self.flow_steps = config.flow_steps or mcfg.flow_steps
         self._build_preprocessing()
         self.fp8 = 'none'
@@ -200,11 +221,9 @@ class PolicyEngine:
 
         mcfg = self.model_config
         self._pimages, self._pprompt = pimages, pprompt
-        if self.config.checkpoint_path or self.config.tokenizer_path:
-            path = self.config.tokenizer_path or self.config.checkpoint_path
-            self.tokenizer = ptok.load_tokenizer(path, mcfg.tokens)
-        else:
-            self.tokenizer = ptok.tiny_tokenizer()
+        self.tokenizer = ptok.resolve_tokenizer(self.config.tokenizer, mcfg.tokens,
+                                                self.config.tokenizer_path,
+                                                self.config.checkpoint_path)
         stats = mcfg.norm_stats
         if stats is None:   # random full-size presets: identity normalization
             ones = [1.0] * mcfg.state_dim
@@ -456,7 +475,7 @@ class PolicyEngine:
         t_done = time.perf_counter()
         actions = self.action_normalizer.unnormalize(actions_n).astype(np.float32)
         c = self.config
-        if 0 <= c.gripper_index < actions.shape[1]:
+        if c.gripper_index >= 0:
             g = actions[:, c.gripper_index]
             actions[:, c.gripper_index] = np.where(g >= c.gripper_threshold, c.gripper_closed,
                                                    c.gripper_open)

@@ -1,0 +1,247 @@
+"""A checkpoint served through the engine: the golden cases end to end (raw images, raw state,
+instruction -> our preprocessing -> model -> unnormalized actions), the tokenizer the engine
+picks, and the normalization stats key. Golden data: ../shared/golden/molmobot_tiny/README.md
+(sections 5, 7 and 8)."""
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models
+
+from molmobot_policy.model.checkpoint import config_from_upstream, load_config, random_model
+from molmobot_policy.model.config import TokenIds
+from molmobot_policy.preprocess.tokenizer import TextTokenizer, resolve_tokenizer, tiny_tokenizer
+from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
+from molmobot_policy.types import Observation
+
+GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
+CASES = {'case1_2cam_360x640': 2, 'case2_8cam_480x640': 8}
+ACTION_ATOL = 2e-5      # golden README section 8: own preprocessing, normalized actions
+QWEN_VOCAB = 151936
+
+pytestmark = pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(),
+                                reason=f'golden data not found at {GOLDEN}')
+
+
+@pytest.fixture(scope='module', params=list(CASES))
+def case(request):
+    z = np.load(GOLDEN / f'{request.param}.npz')
+    return {'name': request.param, **{k: z[k] for k in z.files}}
+
+
+@pytest.fixture(scope='module')
+def golden_engine(case):
+    return PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=CASES[case['name']],
+                                     device='cpu', dtype='float32'))
+
+
+def golden_observation(case) -> Observation:
+    return Observation(images=tuple(case['images_raw']), state=case['state_raw'],
+                       instruction=str(case['instruction']))
+
+
+def golden_config() -> dict:
+    return yaml.safe_load((GOLDEN / 'config.yaml').read_text())
+
+
+def write_checkpoint(directory: Path, config: dict, state: dict | None = None) -> Path:
+    """A checkpoint directory: config.yaml, and model.pt (the golden one when state is None)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / 'config.yaml').write_text(yaml.safe_dump(config))
+    if state is None:
+        shutil.copy(GOLDEN / 'model.pt', directory / 'model.pt')
+    else:
+        torch.save(state, directory / 'model.pt')
+    return directory
+
+
+def with_stats(config: dict, key: str, scale: float = 2.0, action_dims: int | None = None) -> dict:
+    """The config with a second stats entry `key`: the golden stats scaled, in both the
+    robot pre- and postprocessor; optionally the action stats cut to `action_dims`."""
+    config = copy.deepcopy(config)
+    for processor in ('robot_preprocessor', 'robot_postprocessor'):
+        by_repo = config['model'][processor]['stats_by_repo']
+        entry = copy.deepcopy(by_repo['synthmanip'])
+        for stats in entry.values():
+            for name, values in stats.items():
+                stats[name] = [v * scale for v in values]
+        if action_dims is not None:
+            entry['action'] = {k: v[:action_dims] for k, v in entry['action'].items()}
+        by_repo[key] = entry
+    return config
+
+
+@pytest.fixture(scope='module')
+def qwen_checkpoint(tmp_path_factory) -> Path:
+    """The golden architecture with Qwen3's vocabulary size (151936): the token ids of a
+    released checkpoint, random weights, no tokenizer.json."""
+    config = golden_config()
+    config['model']['llm']['vocab_size'] = config['model']['llm']['embedding_size'] = QWEN_VOCAB
+    model = random_model(config_from_upstream(config), seed=0)
+    return write_checkpoint(tmp_path_factory.mktemp('qwen_ckpt'), config, model.state_dict())
+
+
+def qwen_like_tokenizer_json(path: Path, bos: int = 151643) -> Path:
+    """A word-level tokenizer.json with Qwen3's chat special ids (<|endoftext|> = bos)."""
+    vocab = {'[UNK]': 0, 'pick': 1, 'up': 2, '<|endoftext|>': bos, '<|im_start|>': 151644,
+             '<|im_end|>': 151645}
+    Tokenizer(models.WordLevel(vocab, unk_token='[UNK]')).save(str(path))
+    return path
+
+
+# ------------------------------------------------------------------ golden, end to end
+def test_engine_builds_the_golden_prompt_ids_with_the_tiny_tokenizer(golden_engine, case):
+    text = golden_engine.text_inputs(str(case['instruction']))
+    np.testing.assert_array_equal(text.input_ids.numpy(), case['input_ids'])
+
+
+def test_engine_normalizes_the_raw_state_like_upstream(golden_engine, case):
+    normalized = golden_engine.state_normalizer.normalize(case['state_raw'])
+    np.testing.assert_allclose(normalized, case['states'][0, 0], rtol=0, atol=1e-6)
+
+
+def test_engine_reproduces_golden_normalized_actions(golden_engine, case):
+    chunk = golden_engine.predict(golden_observation(case), noise=case['flow_noise'][0])
+    np.testing.assert_allclose(chunk.actions_normalized, case['actions_normalized'][0],
+                               rtol=0, atol=ACTION_ATOL)
+
+
+def test_engine_reproduces_golden_unnormalized_actions(golden_engine, case):
+    chunk = golden_engine.predict(golden_observation(case), noise=case['flow_noise'][0])
+    stats = golden_engine.model_config.norm_stats
+    half_range = (np.asarray(stats.action_q99) - np.asarray(stats.action_q01)) / 2
+    error = np.abs(chunk.actions - case['actions_unnormalized']) / half_range
+    assert error.max() < ACTION_ATOL, error.max(axis=0)
+
+
+# ------------------------------------------------------------------ tokenizer choice
+def test_auto_tokenizer_is_the_tiny_one_for_a_tiny_vocabulary_checkpoint():
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2))
+    assert engine.tokenizer.source == 'tiny'
+
+
+def test_tokenizer_json_beside_the_checkpoint_is_preferred(tmp_path):
+    directory = write_checkpoint(tmp_path / 'ckpt', golden_config())
+    tiny_tokenizer().save(directory / 'tokenizer.json')
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
+    assert engine.tokenizer.source == str(directory / 'tokenizer.json')
+
+
+def test_real_vocabulary_checkpoint_without_tokenizer_json_fails_naming_the_file(
+        qwen_checkpoint):
+    with pytest.raises(FileNotFoundError) as error:
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2))
+    message = str(error.value)
+    assert str(qwen_checkpoint / 'tokenizer.json') in message
+    assert 'tokenizer_path' in message
+
+
+def test_real_vocabulary_checkpoint_loads_the_tokenizer_path_it_is_given(qwen_checkpoint,
+                                                                         tmp_path):
+    path = qwen_like_tokenizer_json(tmp_path / 'tokenizer.json')
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
+                                       tokenizer_path=str(path)))
+    assert engine.tokenizer.source == str(path)
+    assert engine.text_inputs('pick up').input_ids[0, 0] == 151643   # BOS = <|endoftext|>
+
+
+def test_tokenizer_special_ids_are_checked_against_the_checkpoint(qwen_checkpoint, tmp_path):
+    path = qwen_like_tokenizer_json(tmp_path / 'tokenizer.json', bos=151000)
+    with pytest.raises(ValueError, match='<\\|endoftext\\|>.*151000.*151643'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
+                                  tokenizer_path=str(path)))
+
+
+def test_tiny_tokenizer_is_refused_for_a_real_vocabulary_checkpoint(qwen_checkpoint):
+    with pytest.raises(ValueError, match='tokenizer=tiny'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
+                                  tokenizer='tiny'))
+
+
+def test_file_tokenizer_mode_needs_a_tokenizer_json(tmp_path):
+    directory = write_checkpoint(tmp_path / 'ckpt', golden_config())
+    with pytest.raises(FileNotFoundError, match='tokenizer.json'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
+                                  tokenizer='file'))
+
+
+def test_random_weights_get_the_tiny_tokenizer_whatever_the_vocabulary():
+    tokenizer = resolve_tokenizer('auto', TokenIds(), tokenizer_path='', checkpoint_path='')
+    assert isinstance(tokenizer, TextTokenizer) and tokenizer.source == 'tiny'
+
+
+def test_unknown_tokenizer_mode_is_rejected_by_name():
+    with pytest.raises(ValueError, match="tokenizer must be one of.*'qwen'"):
+        EngineConfig(tokenizer='qwen')
+
+
+# ------------------------------------------------------------------ normalization stats key
+def test_norm_stats_key_selects_that_datasets_statistics(tmp_path):
+    directory = write_checkpoint(tmp_path / 'ckpt', with_stats(golden_config(), 'droid', 2.0))
+    default = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
+    chosen = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
+                                       norm_stats_key='droid'))
+    np.testing.assert_allclose(chosen.action_normalizer.q99,
+                               2.0 * default.action_normalizer.q99, rtol=1e-6)
+    np.testing.assert_allclose(chosen.state_normalizer.q01,
+                               2.0 * default.state_normalizer.q01, rtol=1e-6)
+
+
+def test_unknown_norm_stats_key_fails_listing_the_keys_there_are():
+    with pytest.raises(ValueError, match="'droid'.*norm_stats_key.*\\['synthmanip'\\]"):
+        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2,
+                                  norm_stats_key='droid'))
+
+
+def test_norm_stats_key_with_the_wrong_action_width_fails_naming_key_and_width(tmp_path):
+    config = with_stats(golden_config(), 'seven', action_dims=7)
+    directory = write_checkpoint(tmp_path / 'ckpt', config)
+    with pytest.raises(ValueError, match="action stats of 'seven' have 7 entries.*action_dim = 8"):
+        PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
+                                  norm_stats_key='seven'))
+
+
+def test_norm_stats_key_needs_a_checkpoint():
+    with pytest.raises(ValueError, match='norm_stats_key.*checkpoint_path'):
+        EngineConfig(model='tiny', norm_stats_key='synthmanip')
+
+
+# ------------------------------------------------------------------ gripper
+def test_gripper_index_outside_the_action_dims_is_refused_at_construction():
+    with pytest.raises(ValueError, match='gripper_index=8 is not an action dimension'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2, gripper_index=8))
+
+
+def test_golden_gripper_on_its_0_to_255_scale_is_thresholded_at_128(golden_engine, case):
+    gripper = EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=CASES[case['name']],
+                           gripper_index=7, gripper_threshold=128.0, gripper_open=0.0,
+                           gripper_closed=1.0)
+    engine = PolicyEngine(gripper, model=golden_engine.model)
+    chunk = engine.predict(golden_observation(case), noise=case['flow_noise'][0])
+    expected = (case['actions_unnormalized'][:, 7] >= 128.0).astype(np.float32)
+    np.testing.assert_array_equal(chunk.actions[:, 7], expected)
+    np.testing.assert_allclose(chunk.actions[:, :7], case['actions_unnormalized'][:, :7],
+                               atol=1e-3)
+
+
+def test_actions_are_unnormalized_with_the_postprocessor_statistics(tmp_path):
+    """Upstream unnormalizes with `robot_postprocessor`; its stats win over the
+    preprocessor's when the two differ."""
+    config = golden_config()
+    post = config['model']['robot_postprocessor']['stats_by_repo']['synthmanip']['action']
+    post['q99'] = [v + 1.0 for v in post['q99']]
+    directory = write_checkpoint(tmp_path / 'ckpt', config)
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
+    np.testing.assert_allclose(engine.action_normalizer.q99, np.float32(post['q99']))
+
+
+def test_load_config_reads_the_config_without_weights(tmp_path):
+    (tmp_path / 'config.yaml').write_text((GOLDEN / 'config.yaml').read_text())
+    cfg = load_config(tmp_path, norm_stats_key='synthmanip')
+    assert (cfg.max_images, cfg.state_dim, cfg.action_dim) == (8, 8, 8)
