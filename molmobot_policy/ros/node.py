@@ -82,6 +82,17 @@ _D, _B = ParameterType.PARAMETER_DOUBLE, ParameterType.PARAMETER_BOOL
 _I, _IA = ParameterType.PARAMETER_INTEGER, ParameterType.PARAMETER_INTEGER_ARRAY
 _DA = ParameterType.PARAMETER_DOUBLE_ARRAY
 
+
+
+def _list_descriptor(description: str, type_: int) -> ParameterDescriptor:
+    """For a list parameter whose default is empty: rclpy infers BYTE_ARRAY from [] and then
+    refuses e.g. `buckets: [448, 512]` from a parameter file, so its type is left dynamic
+    (on_configure converts the value)."""
+    descriptor = _descriptor(description, type_)
+    descriptor.dynamic_typing = True
+    return descriptor
+
+
 # name: (default, descriptor). read_only where a change after configure/activate is unsafe.
 PARAMETERS = {
     'autostart': (True, _descriptor('run configure + activate at start-up', _B)),
@@ -106,7 +117,7 @@ PARAMETERS = {
     'smoothing': ('none', _descriptor(
         'joining a new chunk to the previous one (timing.ChunkStitcher)', _S,
         constraints="'none' or 'linear' (cross-fade over the overlap)")),
-    'max_step': ([], _descriptor(
+    'max_step': ([], _list_descriptor(
         'largest change per joint between consecutive points, robot units (rad); empty: no '
         'limit, one value: all joints, else one per action joint', _DA)),
     'max_image_age': (0.5, _descriptor(
@@ -119,6 +130,21 @@ PARAMETERS = {
                                         _S)),
     'tokenizer_path': ('', _descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
                                        _S)),
+    'tokenizer': ('auto', _descriptor(
+        'which tokenizer serves the model', _S, constraints="'auto' (tokenizer_path or the "
+        'tokenizer.json beside the checkpoint; the built-in tiny one for tiny-vocabulary models '
+        "and random weights), 'tiny' or 'file'")),
+    'norm_stats_key': ('', _descriptor(
+        "dataset key of the checkpoint's normalization stats (stats_by_repo), e.g. "
+        "'synthmanip'; empty: the checkpoint's default_repo_id", _S)),
+    'gripper_index': (-1, _descriptor(
+        'action dimension binarized as the gripper command (-1: off)', _I,
+        int_range=(-1, 1023))),
+    'gripper_threshold': (0.0, _descriptor(
+        'robot units; gripper action >= threshold -> gripper_closed, else gripper_open', _D)),
+    'gripper_open': (0.0, _descriptor('command written for an open gripper, robot units', _D)),
+    'gripper_closed': (1.0, _descriptor('command written for a closed gripper, robot units',
+                                        _D)),
     'device': ('cpu', _descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
     'dtype': ('float32', _descriptor('serving dtype of the weights', _S,
                                      constraints="'float32' or 'bfloat16'")),
@@ -130,8 +156,8 @@ PARAMETERS = {
     'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
     'quantize': ('none', _descriptor('LLM Linear quantization', _S,
                                      constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
-    'buckets': ([], _descriptor('fixed prompt lengths (tokens) to pad to; empty: no padding',
-                                _IA)),
+    'buckets': ([], _list_descriptor(
+        'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA)),
     'output_topic': ('~/joint_trajectory', _descriptor(
         'trajectory_msgs/JointTrajectory output topic', _S)),
     'publish_float_array': (False, _descriptor(
@@ -155,9 +181,49 @@ PARAMETERS = {
         float_range=(0.0, 1e6))),
 }
 
-ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'device', 'dtype', 'seed',
-                     'flow_steps', 'compile', 'cuda_graphs', 'quantize', 'buckets',
-                     'instruction')
+ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
+                     'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
+                     'cuda_graphs', 'quantize', 'buckets', 'instruction', 'gripper_index',
+                     'gripper_threshold', 'gripper_open', 'gripper_closed')
+
+
+def read_model_config(engine_config: dict):
+    """The engine's model config without building the engine: the checkpoint's config.yaml
+    (weights not read) or the preset. Raises FileNotFoundError / ValueError / KeyError."""
+    from molmobot_policy.model.checkpoint import load_config
+    from molmobot_policy.model.config import MolmoBotConfig
+    if engine_config['checkpoint_path']:
+        return load_config(engine_config['checkpoint_path'],
+                           norm_stats_key=engine_config['norm_stats_key'] or None)
+    if engine_config['norm_stats_key']:
+        raise ValueError(f"norm_stats_key={engine_config['norm_stats_key']!r} needs a "
+                         'checkpoint_path (presets carry one set of stats)')
+    return MolmoBotConfig.from_name(engine_config['model'])
+
+
+def check_robot_contract(model, camera_topics, joint_names, action_joint_names,
+                         gripper_index: int = -1) -> None:
+    """The robot's parameters against the model (`MolmoBotConfig`): camera k -> image k,
+    joints -> the state (zero-padded to state_dim), action dim k -> action joint k.
+
+    Raises:
+        ValueError naming the parameter: fewer than 2 or more than max_images camera topics
+            (upstream would silently drop the extra ones), more joint_names than state_dim,
+            more action_joint_names than action_dim, gripper_index outside the action dims.
+    """
+    if not 2 <= len(camera_topics) <= model.max_images:
+        raise ValueError(f'camera_topics has {len(camera_topics)} topics but the model takes '
+                         f'2 to max_images={model.max_images} images; list 2 to '
+                         f'{model.max_images} cameras (never dropped silently)')
+    if len(joint_names) > model.state_dim:
+        raise ValueError(f'joint_names has {len(joint_names)} joints but the model state has '
+                         f'state_dim={model.state_dim}')
+    if len(action_joint_names) > model.action_dim:
+        raise ValueError(f'action_joint_names has {len(action_joint_names)} joints but the '
+                         f'model acts in action_dim={model.action_dim}')
+    if not -1 <= gripper_index < model.action_dim:
+        raise ValueError(f'gripper_index={gripper_index} is not an action dimension of the '
+                         f'model (0..{model.action_dim - 1}, or -1 for off)')
 
 
 class PolicyNode(LifecycleNode):
@@ -238,21 +304,15 @@ class PolicyNode(LifecycleNode):
                 raise ValueError(f"max_step has {len(self._param('max_step'))} values; expected "
                                  f'0, 1 or {len(action_joints)} (one per action joint)')
             self._make_stitcher()       # raises ValueError on a bad smoothing / max_step
+            contract = (cameras, joints, action_joints, engine_config['gripper_index'])
+            # before the (possibly long) weight load: the checkpoint's config.yaml only
+            check_robot_contract(read_model_config(engine_config), *contract)
             self.get_logger().info(f"configuring: building engine (model "
-                                   f"{engine_config['model']!r}, device "
-                                   f"{engine_config['device']!r}, {len(cameras)} cameras)")
+                                   f"{engine_config['checkpoint_path'] or engine_config['model']!r}"
+                                   f", device {engine_config['device']!r}, {len(cameras)} "
+                                   'cameras)')
             self.engine = self._engine_factory(engine_config)
-            model = self.engine.model_config
-            if len(cameras) > model.max_images:
-                raise ValueError(f'camera_topics has {len(cameras)} topics but the model takes '
-                                 f'at most max_images={model.max_images}; list at most '
-                                 f'{model.max_images} cameras')
-            if len(joints) > model.state_dim:
-                raise ValueError(f'joint_names has {len(joints)} joints but the model state '
-                                 f'has state_dim={model.state_dim}')
-            if len(action_joints) > model.action_dim:
-                raise ValueError(f'action_joint_names has {len(action_joints)} joints but the '
-                                 f'model acts in action_dim={model.action_dim}')
+            check_robot_contract(self.engine.model_config, *contract)
             self.get_logger().info('configuring: warming up the engine')
             self.engine.warmup()
         except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
