@@ -8,12 +8,20 @@ runs configure + activate itself, for users without lifecycle tooling.
 Subscription callbacks only store the newest message (`ObservationSynchronizer`). The
 worker thread ticks on absolute deadlines `t0 + k * chunk_period` in ROS time (sim time
 aware, `timing.DeadlineScheduler`): it starts inference `lead` seconds before the deadline
-(the measured p99 latency times a margin, `timing.LatencyEstimator`), builds the
-observation from the newest frames, runs `engine.predict`, waits for the deadline and
-publishes a `trajectory_msgs/JointTrajectory`: action k is meant to execute at
-`observation.stamp + k * control_period`; actions whose time has passed at publish time are
-dropped; header.stamp is the time of the first remaining action and time_from_start of
-point j is j * control_period.
+(the measured p99 latency times a margin, `timing.LatencyEstimator`, capped at
+MAX_LEAD_FRACTION of the period), builds the observation from the newest frames, runs
+`engine.predict`, builds the `trajectory_msgs/JointTrajectory`, waits for the deadline
+and publishes it: action k is
+meant to execute at `observation.stamp + k * control_period`; actions whose time is before
+the deadline (or before now, if inference overran it) are dropped; header.stamp is the time
+of the first remaining action and time_from_start of point j is j * control_period.
+
+Publish timing: the message is built before the deadline so that only `publish` runs
+after the wake-up. On the system clock the worker sleeps until BUSY_WAIT_S before the
+deadline and then polls the clock, yielding the GIL (`time.sleep(0)`) between polls; on sim
+time it polls the ROS clock every <= 50 ms. `main` lowers the interpreter's thread switch
+interval (SWITCH_INTERVAL_S) so that subscription callback threads holding the GIL delay
+the worker's wake-up by at most that much. The worker is the only thread publishing chunks.
 
 Run: python -m molmobot_policy.ros.node --ros-args --params-file config/policy_tiny.yaml
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 import time
 
@@ -39,6 +48,7 @@ from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float32MultiArray, MultiArrayDimension
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from molmobot_policy.ros.codec import image_to_rgb
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
 from molmobot_policy.timing import (ChunkStitcher, DeadlineScheduler, LatencyEstimator,
                                     ObservationGate, RollingStats)
@@ -49,6 +59,17 @@ DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
 CAMERA_QOS = ('sensor_data', 'reliable')
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
 STATS_WINDOW = 200          # samples kept for p50/p99/max in diagnostics
+POLL_S = 0.05               # longest single wait of the worker (stop and sim time checks)
+BUSY_WAIT_S = 0.001         # system clock: poll (yielding) this long before a deadline;
+                            # covers the ~0.1 ms oversleep of timed waits on Linux
+MAX_LEAD_FRACTION = 0.9     # lead <= this * chunk_period: one latency spike (a stalled
+                            # machine) must not push the lead past the period (then at most
+                            # every other tick runs) or past the chunk's span (then every
+                            # action is in the past at publish time) for a whole window of
+                            # latency samples; the rest of the period is left for the
+                            # publish bookkeeping before the next tick starts
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval in main (CPython default 0.005 s): the
+                            # longest a GIL-holding callback thread delays the worker's wake-up
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -273,6 +294,7 @@ class PolicyNode(LifecycleNode):
         self.dropped_actions = 0
         self.skipped_ticks = 0
         self.failed_ticks = 0
+        self.frames_decoded = 0     # images decoded by the synchronizer (worker thread only)
         self.last_skip = ''
         self._scheduler: DeadlineScheduler | None = None
         self._stitcher: ChunkStitcher | None = None
@@ -331,7 +353,8 @@ class PolicyNode(LifecycleNode):
         self._reset_statistics()
         self._sync = ObservationSynchronizer(self._param('camera_topics'),
                                              self._param('joint_names'),
-                                             joint_state_topic=self._param('joint_state_topic'))
+                                             joint_state_topic=self._param('joint_state_topic'),
+                                             decode=self._decode_image)
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
         else:
@@ -411,6 +434,11 @@ class PolicyNode(LifecycleNode):
     def _on_image(self, topic: str, msg: Image) -> None:
         self._sync.add_image(topic, msg, _seconds(msg.header.stamp), self._now())
 
+    def _decode_image(self, msg: Image, topic: str) -> np.ndarray:
+        # called by the synchronizer in the worker, only for frames an observation uses
+        self.frames_decoded += 1
+        return image_to_rgb(msg, topic)
+
     def _on_joint_state(self, msg: JointState) -> None:
         try:
             self._sync.add_joint_state(msg.name, msg.position, _seconds(msg.header.stamp),
@@ -421,19 +449,30 @@ class PolicyNode(LifecycleNode):
 
     # ---------------------------------------------------------------------- worker
     def _sleep_until(self, t: float) -> bool:
-        """Sleep until ROS time t (s); False if stopped first. Polls so sim time works."""
+        """Sleep until ROS time t (s); False if stopped first.
+
+        Sim time: waits of at most POLL_S, re-reading the ROS clock (it follows /clock).
+        System time: waits until BUSY_WAIT_S before t, then polls the clock, releasing the
+        GIL between polls (time.sleep(0)), so the wake-up is not late by a timer's slack.
+        """
+        sim_time = self.get_clock().ros_time_is_active
+        tail = 0.0 if sim_time else BUSY_WAIT_S
         while not self._stop.is_set():
             remaining = t - self._now()
             if remaining <= 0.0:
                 return True
-            self._stop.wait(min(remaining, 0.05))
+            if remaining > tail:
+                self._stop.wait(min(remaining - tail, POLL_S))
+            else:
+                time.sleep(0)
         return False
 
     def _run(self) -> None:
         chunk_period = self._param('chunk_period')
         while self._now() <= 0.0 and not self._stop.is_set():   # sim time not started yet
-            self._stop.wait(0.05)
-        latency = LatencyEstimator(initial=min(0.5 * chunk_period, 1.0))
+            self._stop.wait(POLL_S)
+        latency = LatencyEstimator(initial=min(0.5 * chunk_period, 1.0),
+                                   max_lead=MAX_LEAD_FRACTION * chunk_period)
         self._scheduler = DeadlineScheduler(chunk_period, t0=self._now() + chunk_period)
         self._stitcher = self._make_stitcher()
         self._gate = ObservationGate()
@@ -466,6 +505,7 @@ class PolicyNode(LifecycleNode):
                              max_step=np.array(max_step) if max_step else None)
 
     def _tick(self, tick, latency: LatencyEstimator) -> None:
+        decoded_before = self.frames_decoded
         observation = self._sync.build(self._now(), self._param('max_image_age'),
                                        self._param('max_state_age'),
                                        instruction=self._param('instruction'))
@@ -488,18 +528,17 @@ class PolicyNode(LifecycleNode):
             return
         latency.record(time.perf_counter() - started)
         self.inference_ms.add(chunk.inference_ms)
-        if not self._sleep_until(tick.deadline):
-            return
-        self._publish_chunk(tick, observation, chunk)
+        self._publish_chunk(tick, observation, chunk, self.frames_decoded - decoded_before)
 
-    def _publish_chunk(self, tick, observation, chunk) -> None:
+    def _publish_chunk(self, tick, observation, chunk, frames_decoded: int) -> None:
+        """Build the messages, wait for the tick's deadline, publish, then record stats."""
         control_period = self._param('control_period')
         joint_names = list(self._param('action_joint_names'))
-        now = self._now()
-        if now > tick.deadline + 0.5 * control_period:
-            self.deadline_misses += 1           # inference overran its lead
+        # actions before the publish time are dropped; the publish time is the deadline
+        # unless inference overran it
+        publish_at = max(self._now(), tick.deadline)
         actions = np.asarray(chunk.actions, dtype=np.float64)[:, :len(joint_names)]
-        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=now)
+        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
         self.dropped_actions += stitched.dropped
         if len(stitched) == 0:
             self.last_skip = (f'all {stitched.dropped} actions of tick {tick.index} were in '
@@ -517,8 +556,7 @@ class PolicyNode(LifecycleNode):
             point.time_from_start = Duration(
                 nanoseconds=int(round(j * control_period * 1e9))).to_msg()
             msg.points.append(point)
-        self._trajectory_pub.publish(msg)
-        published = self._now()
+        array = None
         if self._array_pub is not None:
             array = Float32MultiArray()
             array.layout.dim = [
@@ -526,7 +564,15 @@ class PolicyNode(LifecycleNode):
                 MultiArrayDimension(label='joint', size=actions.shape[1],
                                     stride=actions.shape[1])]
             array.data = actions.astype(np.float32).ravel().tolist()
+
+        if not self._sleep_until(tick.deadline):
+            return
+        self._trajectory_pub.publish(msg)
+        published = self._now()
+        if array is not None:
             self._array_pub.publish(array)
+        if published > tick.deadline + 0.5 * control_period:
+            self.deadline_misses += 1           # inference overran its lead
 
         jitter_ms = (published - tick.deadline) * 1e3
         age_ms = (published - observation.stamp) * 1e3
@@ -541,8 +587,9 @@ class PolicyNode(LifecycleNode):
                 'observation_stamp': f'{observation.stamp:.6f}',
                 'observation_age_ms': f'{age_ms:.1f}',
                 'inference_ms': f'{chunk.inference_ms:.1f}',
-                'publish_jitter_ms': f'{jitter_ms:.2f}', 'points': len(actions),
-                'dropped': dropped, 'first_action': first})))
+                'publish_jitter_ms': f'{jitter_ms:.3f}', 'points': len(actions),
+                'dropped': dropped, 'frames_decoded': frames_decoded,
+                'first_action': first})))
         self.get_logger().info(
             f'chunk {self.chunks_published}: observation age {age_ms:.0f} ms, inference '
             f'{chunk.inference_ms:.0f} ms, {len(actions)} points ({dropped} dropped), '
@@ -602,7 +649,7 @@ class PolicyNode(LifecycleNode):
                 **_summary('sensor_to_publish_age', self.age_ms.summary()),
                 'chunks_published': self.chunks_published, 'deadline_misses': misses,
                 'dropped_actions': self.dropped_actions, 'skipped_ticks': self.skipped_ticks,
-                'failed_ticks': self.failed_ticks})))
+                'failed_ticks': self.failed_ticks, 'frames_decoded': self.frames_decoded})))
         self.last_skip = ''
         array = DiagnosticArray(status=statuses)
         array.header.stamp = self.get_clock().now().to_msg()
@@ -620,6 +667,7 @@ def _summary(prefix: str, summary: dict) -> dict:
 
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     rclpy.init(args=args)
     node = None
     status = 0

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Node jitter benchmark on the GPU machine (issue 5, item 5): the policy node with the
+# full-size random-weight model ('molmobot-4b-8cam', bf16, torch.compile, CUDA graphs, one
+# padding bucket fitted to the prompt) against 8 camera publishers (30 Hz, 480x640 rgb8) and
+# joint_states at 100 Hz, measured for DURATION seconds. See benchmarks/benchmark_node_jitter.py.
+#
+# That machine has Python 3.12 + torch + numpy + pyyaml + opencv but no ROS and no package
+# registry: the ROS 2 Kilted cp312 wheels travel in the repo-root folder .whl/ (git-ignored)
+# and are installed, without dependencies, into a venv that sees the system packages.
+#
+#   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh          # full size, CUDA
+#   bash benchmarks/h200_node_jitter.sh --check-only          # wheels + import check only
+#   PY=.venv/bin/python bash benchmarks/h200_node_jitter.sh --skip-wheel-install --tiny-cpu
+#
+# Options: --skip-wheel-install (use $PY, default python3, as it is: it must import rclpy),
+# --check-only (stop after the import check), --tiny-cpu (tiny model on the CPU, small
+# frames, 60 s unless DURATION is set: checks the script's logic on a CI box);
+# anything else is passed on to the benchmark (later flags override the defaults below).
+# Environment (defaults): OUT (benchmarks/out), DURATION (300 s), WARMUP (15 s),
+# CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (77),
+# VENV (/tmp/rosvenv), PYTHON (python3).
+#
+# CHUNK_PERIOD 0.15 s: the engine's measured p99 is ~100-106 ms for this configuration
+# (benchmarks/results/h200_inference_run1.json, bucket 1664); the node's inference time
+# adds the upload and resize of 8 camera frames, so expect p99 ~110 ms. The node starts
+# inference lead = 1.2 x p99 (~130 ms) before each deadline and caps the lead at 0.9 x
+# period (135 ms at 0.15 s), so 0.15 s keeps the lead uncapped, leaves >= 15 ms for the
+# publish bookkeeping before the next tick, and is >= 1.2 x p99 inference, the issue's
+# condition for zero deadline misses. Lower it only with the measured p99 in hand.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+SKIP_WHEEL_INSTALL=0
+TINY_CPU=0
+CHECK_ONLY=0
+PASS_ON=()
+for arg in "$@"; do
+  case "$arg" in
+    --skip-wheel-install) SKIP_WHEEL_INSTALL=1 ;;
+    --tiny-cpu) TINY_CPU=1 ;;
+    --check-only) CHECK_ONLY=1 ;;
+    *) PASS_ON+=("$arg") ;;
+  esac
+done
+
+OUT=${OUT:-$REPO/benchmarks/out}
+if [[ $TINY_CPU == 1 ]]; then DURATION=${DURATION:-60}; fi
+DURATION=${DURATION:-300}
+WARMUP=${WARMUP:-15}
+CHUNK_PERIOD=${CHUNK_PERIOD:-0.15}
+CONTROL_PERIOD=${CONTROL_PERIOD:-0.05}
+QUANTIZE=${QUANTIZE:-none}
+VENV=${VENV:-/tmp/rosvenv}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+
+# ---- ROS 2 from the carried wheels
+if [[ $SKIP_WHEEL_INSTALL == 1 ]]; then
+  PY=${PY:-$PYTHON}
+else
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  if (( ${#wheels[@]} == 0 )); then
+    echo "no wheels in $REPO/.whl/: copy the ROS 2 cp312 wheels there first" >&2
+    exit 2
+  fi
+  echo "installing ${#wheels[@]} ROS 2 wheels into $VENV"
+  if "$PYTHON" -m venv --system-site-packages "$VENV"; then
+    "$VENV/bin/pip" install -q --no-index --no-deps "${wheels[@]}"
+  else   # no ensurepip: a venv without pip, filled by the system pip
+    echo "venv with pip failed; retrying without pip (system pip installs into it)"
+    "$PYTHON" -m venv --without-pip --system-site-packages "$VENV"
+    "$PYTHON" -m pip --python "$VENV/bin/python" install -q --no-index --no-deps "${wheels[@]}"
+  fi
+  PY=$VENV/bin/python
+fi
+
+export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
+export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-77}
+export RMW_IMPLEMENTATION=rmw_fastrtps_cpp
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+# ---- import check: everything the node and the benchmark load, and one DDS participant
+"$PY" - <<'EOF'
+import platform
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: F401
+from lifecycle_msgs.msg import State  # noqa: F401
+from rclpy.lifecycle import LifecycleNode  # noqa: F401
+from sensor_msgs.msg import Image, JointState  # noqa: F401
+from trajectory_msgs.msg import JointTrajectory  # noqa: F401
+import molmobot_policy.ros.node  # noqa: F401
+rclpy.init()
+node = rclpy.create_node('import_check')
+publisher = node.create_publisher(Image, '/import_check', 1)
+publisher.publish(Image(height=1, width=1, encoding='rgb8', step=3, data=b'\x00\x00\x00'))
+node.destroy_node()
+rclpy.shutdown()
+print(f'import check ok: Python {platform.python_version()}, rclpy from {rclpy.__file__}')
+EOF
+if [[ $CHECK_ONLY == 1 ]]; then exit 0; fi
+
+# ---- the benchmark
+if [[ $TINY_CPU == 1 ]]; then
+  MODEL_ARGS=(--model tiny --device cpu --dtype float32 --buckets none
+              --camera-rate 10 --height 96 --width 128 --chunk-period 1.5 --control-period 0.2)
+else
+  MODEL_ARGS=(--model molmobot-4b-8cam --device cuda --dtype bfloat16 --compile --cuda-graphs
+              --buckets auto --quantize "$QUANTIZE" --camera-rate 30 --height 480 --width 640
+              --chunk-period "$CHUNK_PERIOD" --control-period "$CONTROL_PERIOD")
+fi
+"$PY" benchmarks/benchmark_node_jitter.py "${MODEL_ARGS[@]}" --cameras 8 \
+  --cameras-per-process 2 --joint-rate 100 --duration "$DURATION" --warmup "$WARMUP" \
+  --workdir "$OUT/node_jitter" --out "$OUT/node_jitter.json" ${PASS_ON[@]+"${PASS_ON[@]}"} \
+  2>&1 | tee "$OUT/node_jitter.txt"
+exit "${PIPESTATUS[0]}"
