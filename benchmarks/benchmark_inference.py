@@ -1,4 +1,5 @@
-"""Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets -> +fp8.
+"""Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets ->
++bf16 ViT attention -> +fp8.
 
 Builds the full-size MolmoBot with random weights (preset `molmobot-4b-8cam`: 8 cameras
 480x640, 14-D state and actions, horizon 16, 10 flow steps) once, then times each rung of
@@ -47,15 +48,18 @@ INSTRUCTION = 'pick up the red cube and put it in the bowl'
 def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, dict]:
     base = dict(device=device, dtype='bfloat16')
     cuda = device.startswith('cuda')
+    exact = dict(vit_fp32_attention=True)      # upstream's float32 ViT attention
     return {
-        'eager': dict(base, kv_cache=False),
-        'compile': dict(base, kv_cache=False, compile=True, buckets=(pad,)),
-        '+cuda_graphs': dict(base, kv_cache=False, compile=True, buckets=(pad,), cuda_graphs=cuda),
-        '+kv_cache': dict(base, compile=True, buckets=(pad,), cuda_graphs=cuda),
-        '+buckets': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda),
+        'eager': dict(base, **exact, kv_cache=False),
+        'compile': dict(base, **exact, kv_cache=False, compile=True, buckets=(pad,)),
+        '+cuda_graphs': dict(base, **exact, kv_cache=False, compile=True, buckets=(pad,),
+                             cuda_graphs=cuda),
+        '+kv_cache': dict(base, **exact, compile=True, buckets=(pad,), cuda_graphs=cuda),
+        '+buckets': dict(base, **exact, compile=True, buckets=buckets, cuda_graphs=cuda),
+        '+vit_bf16_attn': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda),
         '+fp8': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda, quantize='fp8'),
         '+fp8_tensor': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda,
-                            quantize='fp8-tensor'),
+                            quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 
 
@@ -119,22 +123,27 @@ def run_rung(name: str, model: MolmoBot, kwargs: dict, obs: Observation, noise: 
     return row
 
 
-def recompile_check(engine: PolicyEngine, obs: Observation, max_words: int = 200) -> dict:
-    """Instructions of 1..max_words words after warm-up: counts Dynamo compiles."""
+def recompile_check(engine: PolicyEngine, obs: Observation, max_tokens: int = 200) -> dict:
+    """Instructions of 1..max_tokens tokens after warm-up: counts Dynamo compiles."""
     from torch._dynamo.utils import counters
     before = dict(counters['stats'])
     words = ('pick up the red cube and place it gently inside the blue bowl on the left '
-             'side of the table ').split()
-    lengths, errors = [], 0
-    for n in range(1, max_words + 1, 7):
-        text = ' '.join(words[i % len(words)] for i in range(n))
+             'side of the table').split()
+    token_counts, lengths, errors = [], [], 0
+    for n in range(1, max_tokens + 1, 7):
+        chosen = []
+        while len(engine.tokenizer.encode(' '.join(chosen))) < n:
+            chosen.append(words[len(chosen) % len(words)])
+        text = ' '.join(chosen)
+        token_counts.append(len(engine.tokenizer.encode(text)))
         try:
             engine.predict(Observation(images=obs.images, state=obs.state, instruction=text))
             lengths.append(engine.text_inputs(text).length)
         except ValueError:
             errors += 1          # longer than the largest bucket: rejected, by design
     after = dict(counters['stats'])
-    return {'instructions': len(lengths) + errors, 'rejected_overlong': errors,
+    return {'instructions': len(token_counts), 'instruction_tokens_min': min(token_counts),
+            'instruction_tokens_max': max(token_counts), 'rejected_overlong': errors,
             'prompt_tokens_min': min(lengths) if lengths else 0,
             'prompt_tokens_max': max(lengths) if lengths else 0,
             'new_unique_graphs': after.get('unique_graphs', 0) - before.get('unique_graphs', 0),
@@ -151,7 +160,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,+fp8')
+    ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,'
+                    '+vit_bf16_attn,+fp8')
     ap.add_argument('--iters', type=int, default=50)
     ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')
     ap.add_argument('--buckets', default='auto', help="comma list, or 'auto'")

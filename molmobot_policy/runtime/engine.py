@@ -65,6 +65,10 @@ class EngineConfig:
         overlong: what to do with a prompt longer than the largest bucket: 'error' or
             'truncate' (words are cut from the end of the instruction until it fits).
         quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
+        vit_fp32_attention: upstream's `float32_attention` in the ViT and the pooling
+            (q, k, v cast to float32 before attention). False (default) runs the fused bf16
+            kernel, which also accumulates in float32 but rounds the probabilities to bf16;
+            2.6x faster ViT on an H200. No effect when dtype is float32.
         instruction: default instruction, used when an observation carries none.
         gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
             of one action dimension (index -1 = off), in robot units.
@@ -86,6 +90,7 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()
     overlong: str = 'error'
     quantize: str = 'none'
+    vit_fp32_attention: bool = False
     instruction: str = ''
     gripper_index: int = -1
     gripper_threshold: float = 0.0
@@ -117,6 +122,14 @@ class EngineConfig:
             raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
         if self.quantize != 'none' and not self.device.startswith('cuda'):
             raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')
+
+
+def set_vit_fp32_attention_(model, enabled: bool) -> None:
+    """Sets `float32_attention` of every ViT / pooling attention module of `model`."""
+    from molmobot_policy.model.vision import ViTMultiHeadDotProductAttention
+    for module in model.modules():
+        if isinstance(module, ViTMultiHeadDotProductAttention):
+            module.float32_attention = enabled
 
 
 def compile_repeated_blocks_(model) -> int:
@@ -189,6 +202,7 @@ class PolicyEngine:
             self.model_config = MolmoBotConfig.from_name(config.model)
             self.model = ckpt.random_model(self.model_config, config.seed, self.device, self.dtype)
         self.model.eval().requires_grad_(False)
+        set_vit_fp32_attention_(self.model, config.vit_fp32_attention)
         self.load_seconds = time.perf_counter() - start
         mcfg = self.model_config
         self.num_cameras = config.num_cameras or mcfg.max_images
@@ -495,6 +509,7 @@ class PolicyEngine:
         return {'model': self.model_config.name, 'device': c.device, 'dtype': c.dtype,
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
                 'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
+                'vit_fp32_attention': str(c.vit_fp32_attention),
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
 
