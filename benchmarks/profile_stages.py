@@ -16,11 +16,9 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from molmobot_policy.model import vision  # noqa: E402
 from molmobot_policy.model.action_expert import ActionExpertContext  # noqa: E402
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402

@@ -23,11 +23,12 @@ Plain python + numpy; no rclpy. Not thread-safe: one worker owns a stitcher.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
+
+from .validation import finite_seconds
 
 SMOOTHING = ('none', 'linear')
 
@@ -60,16 +61,6 @@ class StitchedChunk:
         return self.times - self.times[0] if len(self) else self.times.copy()
 
 
-def _seconds(name: str, value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f'{name} must be a finite number of seconds, got {value!r}') from None
-    if not math.isfinite(value):
-        raise ValueError(f'{name} must be a finite number of seconds, got {value!r}')
-    return value
-
-
 class ChunkStitcher:
     """Drops past actions and joins successive chunks without pauses, jumps back or steps.
 
@@ -88,7 +79,7 @@ class ChunkStitcher:
 
     def __init__(self, control_period: float, smoothing: str = 'none',
                  max_step: Union[None, float, np.ndarray] = None):
-        control_period = _seconds('control_period', control_period)
+        control_period = finite_seconds('control_period', control_period)
         if control_period <= 0.0:
             raise ValueError(f'control_period must be > 0 seconds, got {control_period!r}')
         if smoothing not in SMOOTHING:
@@ -133,8 +124,8 @@ class ChunkStitcher:
                 clock jump).
         """
         actions = self._check_actions(actions)
-        first_time = _seconds('first_time', first_time)
-        now = _seconds('now', now)
+        first_time = finite_seconds('first_time', first_time)
+        now = finite_seconds('now', now)
         if self._last_now is not None and now < self._last_now:
             raise ValueError(f'now went backwards: {now!r} < previous now {self._last_now!r}; '
                              'call reset() after a clock jump')

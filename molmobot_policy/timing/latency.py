@@ -21,6 +21,8 @@ from typing import Optional
 
 import numpy as np
 
+from .validation import finite
+
 
 class LatencyEstimator:
     """Rolling high-quantile estimate of inference latency, in seconds.
@@ -79,11 +81,8 @@ class LatencyEstimator:
         Raises:
             ValueError: seconds negative or not finite.
         """
-        try:
-            seconds = float(seconds)
-        except (TypeError, ValueError):
-            raise ValueError(f'latency must be a number of seconds, got {seconds!r}') from None
-        if not (math.isfinite(seconds) and seconds >= 0.0):
+        seconds = finite('latency', seconds, 'a finite number of seconds >= 0')
+        if seconds < 0.0:
             raise ValueError(f'latency must be a finite number of seconds >= 0, got {seconds!r}')
         with self._lock:
             if warm:

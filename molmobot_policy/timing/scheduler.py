@@ -28,19 +28,11 @@ No rclpy here.
 from __future__ import annotations
 
 import math
+
+from .validation import finite_seconds
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
-
-
-def _finite(name: str, value: float) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f'{name} must be a finite number of seconds, got {value!r}') from None
-    if not math.isfinite(value):
-        raise ValueError(f'{name} must be a finite number of seconds, got {value!r}')
-    return value
 
 
 def _integer(name: str, value) -> int:
@@ -106,7 +98,7 @@ class DeadlineScheduler:
 
     def __init__(self, period: float, t0: float, lead: float = 0.0,
                  on_miss: Optional[Callable[[MissedTicks], None]] = None):
-        period = _finite('period', period)
+        period = finite_seconds('period', period)
         if period <= 0.0:
             raise ValueError(f'period must be > 0 seconds, got {period!r}')
         self._period = period
@@ -135,7 +127,7 @@ class DeadlineScheduler:
         Raises:
             ValueError: seconds negative or not finite.
         """
-        seconds = _finite('lead', seconds)
+        seconds = finite_seconds('lead', seconds)
         if seconds < 0.0:
             raise ValueError(f'lead must be >= 0 seconds, got {seconds!r}')
         self._lead = seconds
@@ -146,7 +138,7 @@ class DeadlineScheduler:
         Raises:
             ValueError: t0 not finite.
         """
-        self._t0 = _finite('t0', t0)
+        self._t0 = finite_seconds('t0', t0)
         self._next_index: Optional[int] = None  # None until the first tick is issued
         self.missed = 0
         self.last_missed_count = 0
@@ -177,7 +169,7 @@ class DeadlineScheduler:
         Raises:
             ValueError: now not finite.
         """
-        now = _finite('now', now)
+        now = finite_seconds('now', now)
         earliest = self._first_startable(now)
         if self._next_index is None:
             index, skipped = earliest, 0
@@ -259,7 +251,7 @@ class ObservationGate:
         Raises:
             ValueError: stamp not finite, seq not an integer.
         """
-        stamp = _finite('stamp', stamp)
+        stamp = finite_seconds('stamp', stamp)
         seq = _integer('seq', seq)
         if self.last_stamp is None:
             return True

@@ -18,6 +18,8 @@ import threading
 
 import numpy as np
 
+from .validation import finite
+
 
 class RollingStats:
     """Statistics over the last `window` samples of one quantity.
@@ -45,12 +47,7 @@ class RollingStats:
         Raises:
             ValueError: x not a finite number.
         """
-        try:
-            value = float(x)
-        except (TypeError, ValueError):
-            raise ValueError(f'sample must be a finite number, got {x!r}') from None
-        if not math.isfinite(value):
-            raise ValueError(f'sample must be a finite number, got {x!r}')
+        value = finite('sample', x)
         with self._lock:
             self._buffer[self._next] = value
             self._next = (self._next + 1) % self.window
