@@ -286,6 +286,10 @@ def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def _config_file(path: Path) -> Path:
     """config.yaml of a checkpoint directory, or of the directory holding a weight file."""
+    if not path.exists():
+        raise FileNotFoundError(f'checkpoint path {path} does not exist (checkpoint_path: a '
+                                'directory with config.yaml and model.pt or *.safetensors, or '
+                                'one of those weight files)')
     directory = path if path.is_dir() else path.parent
     config = directory / 'config.yaml'
     if not config.is_file():

@@ -38,6 +38,7 @@ import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 ParameterType, SetParametersResult)
+from rclpy._rclpy_pybind11 import RCLError
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
@@ -177,6 +178,16 @@ PARAMETERS = {
     'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
     'quantize': ('none', _descriptor('LLM Linear quantization', _S,
                                      constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
+    'overlong': ('error', _descriptor(
+        'a prompt longer than the largest bucket', _S,
+        constraints="'error' (refuse the observation) or 'truncate' (cut words from the end "
+                    "of the instruction)")),
+    'vit_fp32_attention': (False, _descriptor(
+        "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.6x faster "
+        'ViT on an H200)', _B)),
+    'kv_cache': (True, _descriptor(
+        "compute the action expert's cross-attention K/V once per query (false: every flow "
+        'step, for comparison only)', _B)),
     'buckets': ([], _list_descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA)),
     'output_topic': ('~/joint_trajectory', _descriptor(
@@ -204,8 +215,9 @@ PARAMETERS = {
 
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
-                     'cuda_graphs', 'quantize', 'buckets', 'instruction', 'gripper_index',
-                     'gripper_threshold', 'gripper_open', 'gripper_closed')
+                     'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
+                     'kv_cache', 'instruction', 'gripper_index', 'gripper_threshold',
+                     'gripper_open', 'gripper_closed')
 
 
 def read_model_config(engine_config: dict):
@@ -307,6 +319,23 @@ class PolicyNode(LifecycleNode):
             return False
         return self.trigger_activate() == TransitionCallbackReturn.SUCCESS
 
+    def _check_unknown_parameters(self) -> None:
+        """Raises ValueError naming every parameter given (e.g. in --params-file) that this
+        node does not declare: a misspelled `checkpont_path` must not silently serve random
+        weights."""
+        import difflib
+        given = set(getattr(self, '_parameter_overrides', {}))
+        unknown = sorted(n for n in given - set(self._parameters)
+                         if not n.startswith('qos_overrides.'))
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
+                hints.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
+            raise ValueError(f"unknown parameter(s) for node '{self.get_name()}': "
+                             f"{', '.join(hints)}; see `ros2 param describe` or "
+                             f'molmobot_policy/ros/node.py PARAMETERS')
+
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         cameras = list(self._param('camera_topics'))
         joints = list(self._param('joint_names'))
@@ -316,6 +345,7 @@ class PolicyNode(LifecycleNode):
         engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()
         try:
+            self._check_unknown_parameters()
             if not cameras or not joints or not action_joints:
                 raise ValueError('camera_topics, joint_names and action_joint_names must not '
                                  'be empty')
@@ -343,7 +373,7 @@ class PolicyNode(LifecycleNode):
             return TransitionCallbackReturn.FAILURE
         self.get_logger().info(f'configured in {time.monotonic() - started:.1f} s; engine mode '
                                f'{dict(self.engine.mode)}')
-        if not self._param('instruction'):
+        if not self._param('instruction').strip():
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
                                       'run time)')
@@ -682,6 +712,9 @@ def main(args=None) -> int:
             executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RCLError:
+        if rclpy.ok():          # a real error; with Ctrl-C the context is already shut down
+            raise
     finally:
         if node is not None:
             node._stop_worker()

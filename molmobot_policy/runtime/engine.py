@@ -415,7 +415,7 @@ class PolicyEngine:
             images = self._images_to_device(frames)
             states = self._states_to_device(state)
             if not self.config.buckets:
-                text = self.text_inputs(self.config.instruction or 'warm up')
+                text = self.text_inputs(self.config.instruction.strip() or 'warm up')
                 self._run(text, images, states, self._noise())
             for bucket in self.config.buckets:
                 say(f'warm-up: preparing bucket {bucket} (compile={self.config.compile}, '

@@ -23,6 +23,7 @@ import time
 
 import rclpy
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy._rclpy_pybind11 import RCLError
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
@@ -185,7 +186,7 @@ class SimRobotNode(Node):
                     next_deadline += math.ceil(late / period) * period
                 self._stop.wait(next_deadline - time.monotonic())
         except Exception as error:  # noqa: BLE001 - report, never die silently
-            if not self._stop.is_set():
+            if not self._stop.is_set() and rclpy.ok():   # not a Ctrl-C shutdown
                 self.get_logger().error(f'camera rendering stopped: {error!r}')
         finally:
             self._scene.close()
@@ -219,6 +220,9 @@ def main(args=None):
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except RCLError:
+        if rclpy.ok():          # a real error; with Ctrl-C the context is already shut down
+            raise
     finally:
         if node is not None:
             node.destroy_node()

@@ -1,0 +1,61 @@
+"""The node refuses parameter files it would otherwise misread."""
+from __future__ import annotations
+
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+
+from molmobot_policy.model.checkpoint import load_config  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+
+
+class _Refuse:
+    """Engine factory that must never be reached in these tests."""
+
+    def __call__(self, config):
+        raise AssertionError('the engine must not be built')
+
+
+@pytest.fixture
+def ros_context():
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    yield context
+    rclpy.try_shutdown(context=context)
+
+
+def _node(context, overrides, name):
+    return PolicyNode(engine_factory=_Refuse(), node_name=name, context=context,
+                      parameter_overrides=overrides)
+
+
+def test_misspelled_parameter_fails_configure_with_a_suggestion(ros_context, caplog):
+    node = _node(ros_context, [Parameter('autostart', value=False),
+                               Parameter('checkpont_path', value='/tmp/x')], 'param_typo')
+    try:
+        errors = []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert any("'checkpont_path'" in e and "did you mean 'checkpoint_path'" in e
+                   for e in errors)
+    finally:
+        node.destroy_node()
+
+
+def test_engine_options_are_node_parameters(ros_context):
+    node = _node(ros_context, [Parameter('autostart', value=False),
+                               Parameter('overlong', value='truncate'),
+                               Parameter('vit_fp32_attention', value=True)], 'param_engine')
+    try:
+        assert node.get_parameter('overlong').value == 'truncate'
+        assert node.get_parameter('vit_fp32_attention').value is True
+        assert node.get_parameter('kv_cache').value is True
+    finally:
+        node.destroy_node()
+
+
+def test_missing_checkpoint_path_is_named():
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        load_config('/nonexistent/molmobot_tinyy')
