@@ -6,6 +6,9 @@ DURATION ?= 30
 # DDS stays on this machine; the demo uses its own domain (tests pick a random one).
 export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 export RMW_IMPLEMENTATION := rmw_fastrtps_cpp
+# ~1 MB camera images need a bigger Fast DDS shared-memory segment than rmw_fastrtps_cpp's
+# 512 KiB (README "Large images over DDS"); FASTDDS_BUILTIN_TRANSPORTS is ignored on LOCALHOST.
+export FASTDDS_DEFAULT_PROFILES_FILE ?= $(CURDIR)/config/fastdds_large_images.xml
 export MUJOCO_GL ?= egl
 export PYOPENGL_PLATFORM ?= egl
 

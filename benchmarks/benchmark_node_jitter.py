@@ -37,7 +37,9 @@ CPU sanity run with the tiny model (2 cores: fewer, smaller frames; ratios only)
         --height 96 --width 128 --chunk-period 1.0 --control-period 0.2 --duration 60
 
 Export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (the default set here if unset) and a
-ROS_DOMAIN_ID of your own; every process inherits them.
+ROS_DOMAIN_ID of your own; every process inherits them, and FASTDDS_DEFAULT_PROFILES_FILE
+(--dds-profile, default config/fastdds_large_images.xml: without it rmw_fastrtps_cpp's 512 KiB
+shared-memory segment loses most ~1 MB images; README 'Large images over DDS').
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ PRESET_JOINTS = {
 BUCKET_MULTIPLE = 64        # --buckets auto: the prompt length rounded up to this
 STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
 CLK_TCK = os.sysconf('SC_CLK_TCK')
+DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
 
 
 # ----------------------------------------------------------------------------- publishers
@@ -471,6 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
         help='seconds after the first chunk excluded from the measurement')
     add('--startup-timeout', type=float, default=1800.0,
         help='s to wait for the first chunk (configure: build, warm-up, compile, capture)')
+    add('--dds-profile', default=str(DDS_PROFILE),
+        help="Fast DDS XML profile for every process (FASTDDS_DEFAULT_PROFILES_FILE; default "
+             "config/fastdds_large_images.xml: a shared-memory segment that fits ~1 MB images, "
+             "see README 'Large images over DDS'); 'env' keeps the environment's, 'none' unsets")
     add('--workdir', type=Path, default=None,
         help='parameter file and process logs (default: benchmarks/out/node_jitter_<time>)')
     add('--out', type=Path, default=None, help='JSON results (default: <workdir>/results.json)')
@@ -482,6 +489,12 @@ def main(argv=None) -> int:
     if args.command == 'publish':
         return run_publisher(args)
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    if args.dds_profile == 'none':
+        os.environ.pop('FASTDDS_DEFAULT_PROFILES_FILE', None)
+    elif args.dds_profile != 'env':
+        if not Path(args.dds_profile).is_file():
+            raise SystemExit(f'--dds-profile: no such file {args.dds_profile!r}')
+        os.environ['FASTDDS_DEFAULT_PROFILES_FILE'] = str(Path(args.dds_profile).resolve())
     stamp = time.strftime('%Y%m%d_%H%M%S')
     workdir = args.workdir or REPO / 'benchmarks' / 'out' / f'node_jitter_{stamp}'
     workdir.mkdir(parents=True, exist_ok=True)
@@ -496,8 +509,9 @@ def main(argv=None) -> int:
     params_file = workdir / 'policy_params.yaml'
     params_file.write_text(yaml.safe_dump(
         {NODE_NAME: {'ros__parameters': node_parameters(args, camera_topics, joints)}}))
-    print(f"ROS_DOMAIN_ID={os.environ.get('ROS_DOMAIN_ID', '(unset)')}; parameters "
-          f'{params_file}; logs in {workdir}', flush=True)
+    print(f"ROS_DOMAIN_ID={os.environ.get('ROS_DOMAIN_ID', '(unset)')}; "
+          f"FASTDDS_DEFAULT_PROFILES_FILE={os.environ.get('FASTDDS_DEFAULT_PROFILES_FILE', '')}"
+          f'; parameters {params_file}; logs in {workdir}', flush=True)
 
     recorder = Recorder()
     processes: dict[str, Process] = {}
@@ -576,6 +590,7 @@ def run_benchmark(args, recorder, processes, workdir, out, stamp) -> int:
            'host': platform.node(), 'machine': platform.platform(),
            'python': platform.python_version(), 'cpus': os.cpu_count(),
            'ros_domain_id': os.environ.get('ROS_DOMAIN_ID'),
+           'fastdds_default_profiles_file': os.environ.get('FASTDDS_DEFAULT_PROFILES_FILE'),
            'config': {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                       if k != 'command'},
            'results': results}

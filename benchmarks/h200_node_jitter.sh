@@ -14,11 +14,19 @@
 #
 # Options: --skip-wheel-install (use $PY, default python3, as it is: it must import rclpy),
 # --check-only (stop after the import check), --tiny-cpu (tiny model on the CPU, small
-# frames, 60 s unless DURATION is set: checks the script's logic on a CI box);
+# frames, 60 s unless DURATION is set: checks the script's logic on a CI box),
+# --image-transport (first run benchmarks/benchmark_image_transport.py with the same camera
+# load, without and with DDS_PROFILE: receive ratio and image age, no model);
 # anything else is passed on to the benchmark (later flags override the defaults below).
 # Environment (defaults): OUT (benchmarks/out), DURATION (300 s), WARMUP (15 s),
 # CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (77),
-# VENV (/tmp/rosvenv), PYTHON (python3).
+# VENV (/tmp/rosvenv), PYTHON (python3), DDS_PROFILE (config/fastdds_large_images.xml, exported
+# as FASTDDS_DEFAULT_PROFILES_FILE to every process; 'none' for rmw_fastrtps_cpp's defaults).
+#
+# DDS_PROFILE: with ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, rmw_fastrtps_cpp uses a 512 KiB
+# shared-memory segment per process, smaller than one 480x640 rgb8 image, and the node then
+# received only 67-117 of 240 frames/s (RESULTS.md "Node under load"); the profile adds a
+# 16 MiB segment (README "Large images over DDS").
 #
 # CHUNK_PERIOD 0.15 s: the engine's measured p99 is ~100-106 ms for this configuration
 # (benchmarks/results/h200_inference_run1.json, bucket 1664); the node's inference time
@@ -34,12 +42,14 @@ cd "$REPO"
 SKIP_WHEEL_INSTALL=0
 TINY_CPU=0
 CHECK_ONLY=0
+IMAGE_TRANSPORT=0
 PASS_ON=()
 for arg in "$@"; do
   case "$arg" in
     --skip-wheel-install) SKIP_WHEEL_INSTALL=1 ;;
     --tiny-cpu) TINY_CPU=1 ;;
     --check-only) CHECK_ONLY=1 ;;
+    --image-transport) IMAGE_TRANSPORT=1 ;;
     *) PASS_ON+=("$arg") ;;
   esac
 done
@@ -52,6 +62,7 @@ CHUNK_PERIOD=${CHUNK_PERIOD:-0.15}
 CONTROL_PERIOD=${CONTROL_PERIOD:-0.05}
 QUANTIZE=${QUANTIZE:-none}
 VENV=${VENV:-/tmp/rosvenv}
+DDS_PROFILE=${DDS_PROFILE:-$REPO/config/fastdds_large_images.xml}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 
@@ -79,6 +90,11 @@ fi
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-77}
 export RMW_IMPLEMENTATION=rmw_fastrtps_cpp
+if [[ $DDS_PROFILE == none ]]; then
+  unset FASTDDS_DEFAULT_PROFILES_FILE
+else
+  export FASTDDS_DEFAULT_PROFILES_FILE=$DDS_PROFILE
+fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- import check: everything the node and the benchmark load, and one DDS participant
@@ -101,6 +117,20 @@ print(f'import check ok: Python {platform.python_version()}, rclpy from {rclpy._
 EOF
 if [[ $CHECK_ONLY == 1 ]]; then exit 0; fi
 
+# ---- optional: the camera load alone, without and with the profile (domains 201-232)
+if [[ $IMAGE_TRANSPORT == 1 ]]; then
+  TRANSPORTS=default
+  if [[ $DDS_PROFILE != none ]]; then TRANSPORTS="default,xml:$DDS_PROFILE"; fi
+  if [[ $TINY_CPU == 1 ]]; then
+    CAMERA_LOAD=(--cameras 4 --rate 10 --processes 2)
+  else
+    CAMERA_LOAD=(--cameras 8 --rate 30 --processes 4)
+  fi
+  "$PY" benchmarks/benchmark_image_transport.py "${CAMERA_LOAD[@]}" --duration 20 \
+    --transports "$TRANSPORTS" --qos best_effort:5,reliable:1 --workdir "$OUT/image_transport" \
+    --out "$OUT/image_transport.json" 2>&1 | tee "$OUT/image_transport.txt"
+fi
+
 # ---- the benchmark
 if [[ $TINY_CPU == 1 ]]; then
   MODEL_ARGS=(--model tiny --device cpu --dtype float32 --buckets none
@@ -112,6 +142,7 @@ else
 fi
 "$PY" benchmarks/benchmark_node_jitter.py "${MODEL_ARGS[@]}" --cameras 8 \
   --cameras-per-process 2 --joint-rate 100 --duration "$DURATION" --warmup "$WARMUP" \
-  --workdir "$OUT/node_jitter" --out "$OUT/node_jitter.json" ${PASS_ON[@]+"${PASS_ON[@]}"} \
+  --dds-profile "$DDS_PROFILE" --workdir "$OUT/node_jitter" --out "$OUT/node_jitter.json" \
+  ${PASS_ON[@]+"${PASS_ON[@]}"} \
   2>&1 | tee "$OUT/node_jitter.txt"
 exit "${PIPESTATUS[0]}"

@@ -2,7 +2,8 @@
 
 Starts two subprocesses, `molmobot_policy.sim.robot_node` (config/sim.yaml) and
 `molmobot_policy.ros.node` (config/policy_tiny.yaml), on this machine only
-(ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, ROS_DOMAIN_ID from the environment, MUJOCO_GL=egl),
+(ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, ROS_DOMAIN_ID from the environment, MUJOCO_GL=egl,
+FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_images.xml unless set),
 listens to the published chunks (`/molmobot_policy/joint_trajectory`, the per-chunk
 `/molmobot_policy/chunk_info`) and `/diagnostics`, prints one line per chunk and a summary,
 then stops both processes (SIGINT, then SIGKILL after a timeout).
@@ -26,6 +27,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 10.0
+# Fast DDS profile with a shared-memory segment that holds ~1 MB camera images; without it
+# rmw_fastrtps_cpp loses most of them (README "Large images over DDS")
+DDS_PROFILE = 'fastdds_large_images.xml'
 
 
 def _config(name: str) -> Path:
@@ -128,8 +132,12 @@ def main(argv=None) -> int:
     env.setdefault('ROS_DOMAIN_ID', '42')
     env.setdefault('MUJOCO_GL', 'egl')
     env.setdefault('PYOPENGL_PLATFORM', env['MUJOCO_GL'])
-    os.environ.update(ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST',
-                      ROS_DOMAIN_ID=env['ROS_DOMAIN_ID'])
+    dds_profile = _config(DDS_PROFILE)
+    if dds_profile.exists():        # camera images whole over shared memory (README)
+        env.setdefault('FASTDDS_DEFAULT_PROFILES_FILE', str(dds_profile))
+    os.environ.update({key: env[key] for key in (
+        'ROS_AUTOMATIC_DISCOVERY_RANGE', 'ROS_DOMAIN_ID', 'FASTDDS_DEFAULT_PROFILES_FILE')
+        if key in env})
     print(f"demo: ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}, running {args.duration:.0f} s",
           flush=True)
 
