@@ -28,7 +28,7 @@ demo: setup
 	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy.demo --duration $(DURATION)
 
 test: setup
-	$(PY) -m pytest -q test
+	$(PY) -m pytest -q -rs test
 
 clean:
 	rm -rf $(VENV) build *.egg-info
