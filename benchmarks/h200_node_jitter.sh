@@ -5,8 +5,10 @@
 # joint_states at 100 Hz, measured for DURATION seconds. See benchmarks/benchmark_node_jitter.py.
 #
 # That machine has Python 3.12 + torch + numpy + pyyaml + opencv but no ROS and no package
-# registry: the ROS 2 Kilted cp312 wheels travel in the repo-root folder .whl/ (git-ignored)
-# and are installed, without dependencies, into a venv that sees the system packages.
+# registry: the ROS 2 Kilted cp312 wheels travel in the repo-root folder .whl/ (git-ignored;
+# name it in the device call's `carry`) and are installed, without dependencies, into a venv
+# that also sees the image's packages. Fill .whl/ with benchmarks/fetch_ros_wheels_cp312.sh
+# (verified on the H200 2026-11-29: rclpy, the message packages and rclpy.lifecycle import).
 #
 #   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh          # full size, CUDA
 #   bash benchmarks/h200_node_jitter.sh --check-only          # wheels + import check only
@@ -84,6 +86,11 @@ else
     "$PYTHON" -m venv --without-pip --system-site-packages "$VENV"
     "$PYTHON" -m pip --python "$VENV/bin/python" install -q --no-index --no-deps "${wheels[@]}"
   fi
+  # On the GPU image python3 is itself a venv (torch lives in /opt/torch/.venv), which
+  # --system-site-packages does not reach: point the new venv at its site-packages too.
+  base_site=$("$PYTHON" -c 'import site; print(site.getsitepackages()[0])')
+  venv_site=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+  echo "$base_site" > "$venv_site/base_python_site.pth"
   PY=$VENV/bin/python
 fi
 
