@@ -159,51 +159,6 @@ def main() -> None:
                 block.compile(dynamic=False, fullgraph=True, mode='max-autotune-no-cudagraphs')
         variant('flow_loop, max-autotune', loop_fn, stages['flow_loop'][1], autotune)
 
-        # variant: LLM attention through FlexAttention with the causal-or-image block mask
-        from molmobot_policy.model import llm as llm_mod
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        ids, valid = text.input_ids[0], text.attention_mask[0]
-        is_img = (ids[:, None] == model.image_special_ids).any(-1)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return ((kv_idx <= q_idx) | (is_img[q_idx] & is_img[kv_idx])) & valid[kv_idx]
-
-        length = ids.shape[0]
-        block_mask = create_block_mask(mask_mod, 1, None, length, length, device=device)
-        original_attention = llm_mod.OLMoSequentialBlock.attention
-
-        def flex_attention_method(self, x, cos, sin, attn_bias):
-            b, n = x.shape[:2]
-            q, k, v = self.att_proj(x).split(self.split, dim=-1)
-            q = self.q_norm(q.view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
-            k = self.k_norm(k.view(b, n, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-            v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = llm_mod.apply_rope(q, cos, sin), llm_mod.apply_rope(k, cos, sin)
-            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-            return self.attn_out(out.transpose(1, 2).reshape(b, n, -1))
-
-        def use_flex():
-            llm_mod.OLMoSequentialBlock.attention = flex_attention_method
-
-        def undo_flex():
-            llm_mod.OLMoSequentialBlock.attention = original_attention
-        variant('llm blocks, flex attention', llm_blocks_no_mask_fn,
-                stages['llm blocks, no mask (flash)'][1], use_flex, undo_flex)
-        # correctness of the flex variant against the additive-bias attention (valid tokens)
-        allowed = model.attention_allowed(text.input_ids, text.attention_mask)
-        bias = torch.zeros(allowed.shape, dtype=x_emb.dtype, device=x_emb.device)
-        bias = bias.masked_fill(~allowed, torch.finfo(x_emb.dtype).min)
-        ref = model.transformer(x_emb, text.position_ids, bias)[:, :, :text.length].float()
-        use_flex()
-        try:
-            out = model.transformer(x_emb, text.position_ids, None)[:, :, :text.length].float()
-            results['flex_vs_bias_rel_err'] = ((out - ref).norm() / ref.norm()).item()
-            print(f'flex vs bias attention: relative error {results["flex_vs_bias_rel_err"]:.2e}')
-        except Exception as err:  # noqa: BLE001
-            print(f'flex correctness check FAILED: {type(err).__name__}: {str(err)[:300]}')
-        finally:
-            undo_flex()
-
     print(f'\nprompt {text.length} tokens (unpadded)')
     for name, rows in kernels.items():
         print(f'\n== {name}')
