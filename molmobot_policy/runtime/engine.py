@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ OVERLONG_MODES = ('error', 'truncate')
 
 @dataclass
 class EngineConfig:
-    """Engine options; every field is also a node parameter of the same name.
+    """Engine options; each is also a node parameter of the same name, except num_cameras
+    (the node sets it from camera_topics).
 
     Attributes:
         model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
@@ -96,7 +97,6 @@ class EngineConfig:
     gripper_threshold: float = 0.0
     gripper_open: float = 0.0
     gripper_closed: float = 1.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
