@@ -31,7 +31,7 @@ def _node(context, overrides, name):
                       parameter_overrides=overrides)
 
 
-def test_misspelled_parameter_fails_configure_with_a_suggestion(ros_context, caplog):
+def test_misspelled_parameter_fails_configure_with_a_suggestion(ros_context):
     node = _node(ros_context, [Parameter('autostart', value=False),
                                Parameter('checkpont_path', value='/tmp/x')], 'param_typo')
     try:
