@@ -61,9 +61,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_node_jitter import cpu_seconds, still_rgb8_image  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 READY = 'READY'
-CLK_TCK = os.sysconf('SC_CLK_TCK')
 TRANSPORT_ENV = ('FASTDDS_BUILTIN_TRANSPORTS', 'FASTDDS_DEFAULT_PROFILES_FILE',
                  'FASTRTPS_DEFAULT_PROFILES_FILE', 'RMW_FASTRTPS_USE_QOS_FROM_XML')
 BUILTIN = {'default': None, 'large_data': 'LARGE_DATA', 'udpv4': 'UDPv4', 'shm': 'SHM'}
@@ -89,10 +91,7 @@ def run_publisher(args) -> int:
     rng = np.random.default_rng(os.getpid())
     streams = []
     for topic in args.topics:
-        frame = rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8)
-        msg = Image(height=args.height, width=args.width, encoding='rgb8',
-                    step=args.width * 3, data=frame.tobytes())
-        msg.header.frame_id = topic.strip('/')
+        msg = still_rgb8_image(topic, args.height, args.width, rng)
         streams.append((topic, node.create_publisher(Image, topic, make_qos(args.qos)), msg))
     stamps: dict[str, list[int]] = {topic: [] for topic in args.topics}
     stop = threading.Event()
@@ -154,16 +153,6 @@ def run_subscriber(args) -> int:
 
 
 # ----------------------------------------------------------------------------- inspection
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all threads), s, from /proc/<pid>/stat (nan if gone)."""
-    try:
-        text = Path(f'/proc/{pid}/stat').read_text()
-    except OSError:
-        return math.nan
-    fields = text[text.rindex(')') + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def socket_inodes(pid: int) -> set[str]:
     inodes = set()
     try:

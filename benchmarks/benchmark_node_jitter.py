@@ -77,6 +77,17 @@ DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large ima
 
 
 # ----------------------------------------------------------------------------- publishers
+def still_rgb8_image(topic: str, height: int, width: int, rng: np.random.Generator):
+    """A sensor_msgs/Image of random rgb8 pixels (H, W), frame_id from the topic's first part;
+    publishers restamp and resend it."""
+    from sensor_msgs.msg import Image
+    frame = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    msg = Image(height=height, width=width, encoding='rgb8', step=width * 3,
+                data=frame.tobytes())
+    msg.header.frame_id = topic.strip('/').split('/')[0]
+    return msg
+
+
 def run_publisher(args) -> int:
     """`publish` sub-command: publish images and/or joint states on a fixed absolute schedule.
 
@@ -93,10 +104,7 @@ def run_publisher(args) -> int:
     rng = np.random.default_rng(os.getpid())
     cameras = []
     for topic in args.cameras:
-        frame = rng.integers(0, 256, (args.height, args.width, 3), dtype=np.uint8)
-        msg = Image(height=args.height, width=args.width, encoding='rgb8',
-                    step=args.width * 3, data=frame.tobytes())
-        msg.header.frame_id = topic.strip('/').split('/')[0]
+        msg = still_rgb8_image(topic, args.height, args.width, rng)
         cameras.append((topic, node.create_publisher(Image, topic, qos_profile_sensor_data), msg))
     joints = None
     if args.joints:
