@@ -299,7 +299,6 @@ class PolicyEngine:
         cached = self._text_cache.get(instruction)
         if cached is not None:
             return cached
-        mcfg = self.model_config
         ids = self._prompt_ids(instruction)
         length, bucket = len(ids), 0
         if self.config.buckets:
@@ -321,6 +320,15 @@ class PolicyEngine:
                 log.warning('instruction truncated to %d words to fit bucket %d',
                             len(words), largest)
             bucket = next(b for b in self.config.buckets if b >= length)
+        text = self._padded_text(ids, bucket)
+        self._text_cache[instruction] = text
+        return text
+
+    def _padded_text(self, ids: np.ndarray, bucket: int) -> TextInputs:
+        """Prompt ids int64 (L,) right-padded to `bucket` tokens (0: unpadded), on the device;
+        padding is masked out and repeats the last real position."""
+        mcfg = self.model_config
+        length = len(ids)
         total = bucket or length
         padded = np.full(total, mcfg.tokens.bos, dtype=np.int64)   # pad id: any valid id
         padded[:length] = ids
@@ -329,14 +337,12 @@ class PolicyEngine:
         positions = np.minimum(np.arange(total), length - 1)
         image_positions = self._pprompt.image_token_positions(ids, mcfg.tokens)
         dev = self.device
-        text = TextInputs(
+        return TextInputs(
             input_ids=torch.as_tensor(padded, device=dev)[None],
             attention_mask=torch.as_tensor(mask, device=dev)[None],
             position_ids=torch.as_tensor(positions, device=dev)[None],
             image_positions=torch.as_tensor(np.asarray(image_positions, np.int64), device=dev)[None],
             token_pooling=self._pooling, length=length, bucket=bucket)
-        self._text_cache[instruction] = text
-        return text
 
     def _prompt_ids(self, instruction: str) -> np.ndarray:
         mcfg = self.model_config
@@ -441,14 +447,7 @@ class PolicyEngine:
         if text.bucket == bucket:
             return text
         # same image layout, padded to this bucket: only shapes matter for compile/capture
-        total, length = bucket, text.length
-        ids = torch.full((1, total), self.model_config.tokens.bos, dtype=torch.long,
-                         device=self.device)
-        ids[:, :length] = text.input_ids[:, :length]
-        mask = torch.zeros((1, total), dtype=torch.bool, device=self.device)
-        mask[:, :length] = True
-        pos = torch.clamp(torch.arange(total, device=self.device), max=length - 1)[None]
-        return TextInputs(ids, mask, pos, text.image_positions, text.token_pooling, length, bucket)
+        return self._padded_text(self._prompt_ids('warm up'), bucket)
 
     def predict(self, observation: Observation, noise: np.ndarray | None = None) -> ActionChunk:
         """Runs one query.
