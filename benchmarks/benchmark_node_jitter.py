@@ -375,6 +375,12 @@ def measure(args, recorder: Recorder, processes: dict[str, Process], start: floa
     if first is not None and last is not None and last[0] > first[0]:
         result['counters'] = counter_differences(first[1], last[1])
         result['counters_window_s'] = last[0] - first[0]
+        schedule = last[1][SCHEDULE_STATUS]
+        if 'gc_collections' in schedule:        # garbage-collector pauses (newer nodes)
+            result['gc'] = {'collections_by_generation': schedule['gc_collections'],
+                            'pause_max_since_activate_ms':
+                                float(schedule['gc_pause_max_since_activate_ms']),
+                            'pause_p99_recent_ms': float(schedule['gc_pause_p99_ms'])}
     rates = {}
     for name, process in processes.items():
         if name != 'node':
@@ -432,6 +438,11 @@ def print_table(run: dict) -> None:
               f"{np.mean(camera_rates):.2f} max {max(camera_rates):.2f} (target "
               f"{c['camera_rate']:g}); joint_states "
               f"{rates.get(c['joint_topic'], math.nan):.2f} (target {c['joint_rate']:g})")
+    if 'gc' in r:
+        g = r['gc']
+        print(f"garbage collector since activate: collections (gen 0/1/2) "
+              f"{g['collections_by_generation']}, longest pause "
+              f"{g['pause_max_since_activate_ms']:.2f} ms")
     print('CPU % (100 = one core): ' + ', '.join(f'{k} {v:.1f}'
                                                   for k, v in r['cpu_percent'].items()))
     jitter = r['publish_jitter_ms']

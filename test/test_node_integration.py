@@ -188,6 +188,8 @@ def test_diagnostics_report_cameras_inference_and_schedule(policy, robot, ros):
                 'skipped_ticks'):
         assert key in schedule
     assert int(schedule['chunks_published']) >= 1
+    assert float(schedule['gc_pause_max_since_activate_ms']) >= 0.0
+    assert len(schedule['gc_collections'].split('/')) == 3     # generations 0/1/2
 
 
 def test_stopped_camera_is_warned_about_and_publishing_resumes(policy, robot, ros):

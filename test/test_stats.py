@@ -1,10 +1,12 @@
-"""Specification of RollingStats, the rolling window behind the /diagnostics timing values."""
+"""Specification of RollingStats, the rolling window behind the /diagnostics timing values,
+and of GcPauses, the garbage-collector pause timer reported beside them."""
+import gc
 import math
 
 import numpy as np
 import pytest
 
-from molmobot_policy.timing import RollingStats
+from molmobot_policy.timing import GcPauses, RollingStats
 
 
 def filled(values, window=1000):
@@ -69,3 +71,27 @@ def test_window_must_be_a_positive_int(window):
 def test_quantile_must_be_between_0_and_1():
     with pytest.raises(ValueError, match='quantile'):
         filled([1.0]).quantile(1.5)
+
+
+def test_gc_pauses_times_each_collection_while_installed():
+    pauses = GcPauses(window=10)
+    clock = iter([1.0, 1.004, 2.0, 2.0005]).__next__    # two collections: 4 ms, 0.5 ms
+    pauses._clock = clock
+    enabled = gc.isenabled()
+    gc.disable()                # no automatic collection may consume the fake clock
+    pauses.install()
+    try:
+        pauses.install()                                 # idempotent: one callback
+        assert gc.callbacks.count(pauses) == 1
+        gc.collect()                                     # a full collection: generation 2
+        gc.collect(0)
+    finally:
+        pauses.remove()
+        if enabled:
+            gc.enable()
+    assert pauses not in gc.callbacks
+    assert pauses.collections == [1, 0, 1]
+    assert pauses.pauses_ms.values() == pytest.approx([4.0, 0.5])
+    assert pauses.max_ms == pytest.approx(4.0)
+    gc.collect()                                         # removed: not counted
+    assert sum(pauses.collections) == 2

@@ -28,6 +28,7 @@ Run: python -m molmobot_policy.ros.node --ros-args --params-file config/policy_t
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import sys
 import threading
@@ -39,9 +40,8 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 ParameterType, SetParametersResult)
 from rclpy._rclpy_pybind11 import RCLError
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.time import Time
@@ -51,7 +51,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from molmobot_policy.ros.codec import image_to_rgb
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
-from molmobot_policy.timing import (ChunkStitcher, DeadlineScheduler, LatencyEstimator,
+from molmobot_policy.timing import (ChunkStitcher, DeadlineScheduler, GcPauses, LatencyEstimator,
                                     ObservationGate, RollingStats)
 
 NODE_NAME = 'molmobot_policy'
@@ -194,6 +194,10 @@ PARAMETERS = {
         'trajectory_msgs/JointTrajectory output topic', _S)),
     'publish_float_array': (False, _descriptor(
         'also publish std_msgs/Float32MultiArray (layout: action x joint) on ~/actions', _B)),
+    'gc_freeze': (True, _descriptor(
+        'after configure, move the start-up heap (model, compiled code) out of the garbage '
+        "collector's reach (gc.freeze): full collections then take ms, not hundreds of ms",
+        _B)),
     'diagnostics_period': (1.0, _descriptor('seconds between /diagnostics messages', _D,
                                             float_range=(0.05, 60.0))),
     'diag_min_camera_rate': (1.0, _descriptor(
@@ -308,6 +312,9 @@ class PolicyNode(LifecycleNode):
         self.failed_ticks = 0
         self.frames_decoded = 0     # images decoded by the synchronizer (worker thread only)
         self.last_skip = ''
+        if getattr(self, '_gc_pauses', None) is not None:
+            self._gc_pauses.remove()
+        self._gc_pauses = GcPauses(STATS_WINDOW)
         self._scheduler: DeadlineScheduler | None = None
         self._stitcher: ChunkStitcher | None = None
         self._gate: ObservationGate | None = None
@@ -371,6 +378,8 @@ class PolicyNode(LifecycleNode):
             self.get_logger().error(f'configure failed: {error}')
             self._close_engine()
             return TransitionCallbackReturn.FAILURE
+        if self._param('gc_freeze'):
+            self._freeze_heap()
         self.get_logger().info(f'configured in {time.monotonic() - started:.1f} s; engine mode '
                                f'{dict(self.engine.mode)}')
         if not self._param('instruction').strip():
@@ -390,15 +399,13 @@ class PolicyNode(LifecycleNode):
         else:
             camera_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                                     history=HistoryPolicy.KEEP_LAST)
-        inputs = ReentrantCallbackGroup()
         for topic in self._sync.camera_topics:
             self._input_subscriptions.append(self.create_subscription(
-                Image, topic, functools.partial(self._on_image, topic), camera_qos,
-                callback_group=inputs))
+                Image, topic, functools.partial(self._on_image, topic), camera_qos))
         # best effort subscriptions also match reliable publishers
         self._input_subscriptions.append(self.create_subscription(
             JointState, self._param('joint_state_topic'), self._on_joint_state,
-            qos_profile_sensor_data, callback_group=inputs))
+            qos_profile_sensor_data))
         self._trajectory_pub = self.create_publisher(JointTrajectory,
                                                      self._param('output_topic'), 10)
         if self._param('publish_float_array'):
@@ -406,8 +413,8 @@ class PolicyNode(LifecycleNode):
         self._chunk_info_pub = self.create_publisher(DiagnosticStatus, '~/chunk_info', 10)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._diagnostics_timer = self.create_timer(
-            self._param('diagnostics_period'), self._publish_diagnostics,
-            callback_group=MutuallyExclusiveCallbackGroup())
+            self._param('diagnostics_period'), self._publish_diagnostics)
+        self._gc_pauses.install()
         self._stop.clear()
         self._worker = threading.Thread(target=self._run, name='policy_worker', daemon=True)
         self._worker.start()
@@ -419,6 +426,7 @@ class PolicyNode(LifecycleNode):
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_worker()
+        self._gc_pauses.remove()
         for subscription in self._input_subscriptions:
             self.destroy_subscription(subscription)
         self._input_subscriptions = []
@@ -450,12 +458,25 @@ class PolicyNode(LifecycleNode):
             self._worker.join()
             self._worker = None
 
+    def _freeze_heap(self) -> None:
+        # Everything built so far (the model, compiled code, CUDA graphs: millions of Python
+        # objects after torch.compile) lives until cleanup; a full collection walking it
+        # stops every thread for hundreds of ms. gc.freeze() moves it to a permanent
+        # generation that collections skip (refcounting still frees it).
+        gc.collect()
+        gc.freeze()
+        self.get_logger().info(f'froze {gc.get_freeze_count()} start-up objects out of the '
+                               'garbage collector (gc_freeze)')
+
     def _close_engine(self) -> None:
         if self.engine is not None:
             try:
                 self.engine.close()
             finally:
                 self.engine = None
+                if gc.get_freeze_count():   # let the collector free the engine's cycles
+                    gc.unfreeze()
+                    gc.collect()
 
     # -------------------------------------------------------------- callbacks: store only
     def _now(self) -> float:
@@ -679,7 +700,10 @@ class PolicyNode(LifecycleNode):
                 **_summary('sensor_to_publish_age', self.age_ms.summary()),
                 'chunks_published': self.chunks_published, 'deadline_misses': misses,
                 'dropped_actions': self.dropped_actions, 'skipped_ticks': self.skipped_ticks,
-                'failed_ticks': self.failed_ticks, 'frames_decoded': self.frames_decoded})))
+                'failed_ticks': self.failed_ticks, 'frames_decoded': self.frames_decoded,
+                **_summary('gc_pause', self._gc_pauses.pauses_ms.summary()),
+                'gc_pause_max_since_activate_ms': f'{self._gc_pauses.max_ms:.3f}',
+                'gc_collections': '/'.join(map(str, self._gc_pauses.collections))})))
         self.last_skip = ''
         array = DiagnosticArray(status=statuses)
         array.header.stamp = self.get_clock().now().to_msg()
@@ -703,7 +727,12 @@ def main(args=None) -> int:
     status = 0
     try:
         node = PolicyNode()
-        executor = MultiThreadedExecutor(num_threads=4)
+        # One thread for every callback: they only store messages (the worker thread runs
+        # inference). rclpy's MultiThreadedExecutor costs far more under 240 camera
+        # frames/s: its per-callback tasks and futures triggered ~150 collections/s and
+        # 80-90 ms full collections, tripled the callbacks' CPU and added up to 60 ms to
+        # inference and 53 ms (p99) to publish jitter (benchmarks/RESULTS.md, "Executor").
+        executor = SingleThreadedExecutor()
         executor.add_node(node)
         if node.get_parameter('autostart').value and not node.autostart():
             node.get_logger().fatal('autostart failed (see the error above); exiting')

@@ -8,7 +8,8 @@ and counted, never made up with a burst. An observation not newer than the last 
 is refused (`ObservationGate`). The chunk published at the deadline is stamped with when
 each action executes; actions already in the past are dropped from the front and the new
 chunk is joined to the previous one without pause, jump back or step (`ChunkStitcher`).
-Jitter, latency and ages are summarized over a rolling window (`RollingStats`).
+Jitter, latency and ages are summarized over a rolling window (`RollingStats`); garbage
+collector pauses, which stop every thread, are timed by `GcPauses`.
 
 Pure python + numpy, no rclpy: every time is a float in seconds passed in by the caller
 (ROS time, so simulated time works), which keeps all of it testable with a fake clock.
@@ -16,7 +17,7 @@ Pure python + numpy, no rclpy: every time is a float in seconds passed in by the
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
 from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
-from molmobot_policy.timing.stats import RollingStats
+from molmobot_policy.timing.stats import GcPauses, RollingStats
 
-__all__ = ['ChunkStitcher', 'DeadlineScheduler', 'LatencyEstimator', 'MissedTicks',
+__all__ = ['ChunkStitcher', 'DeadlineScheduler', 'GcPauses', 'LatencyEstimator', 'MissedTicks',
            'ObservationGate', 'RollingStats', 'StitchedChunk', 'Tick']

@@ -13,8 +13,10 @@ Plain python + numpy; thread-safe (one lock): the worker adds, a timer reads.
 """
 from __future__ import annotations
 
+import gc
 import math
 import threading
+import time
 
 import numpy as np
 
@@ -138,3 +140,48 @@ class RollingStats:
                      'min': float(values.min()), 'mean': float(values.mean())}
         return {'count': int(values.size), 'total': total,
                 **{key: value * scale for key, value in stats.items()}}
+
+
+class GcPauses:
+    """Pauses of CPython's cyclic garbage collector, timed through `gc.callbacks`.
+
+    A collection stops every Python thread (it runs holding the GIL), so its length adds
+    directly to inference latency and publish jitter. A full (generation 2) collection
+    walks every tracked object: after torch.compile that is millions of objects and
+    hundreds of ms. The node freezes its start-up heap (`gc.freeze()`, CPython >= 3.7)
+    after configure so that later collections only walk new objects, and reports what
+    remains here.
+
+    Not thread-safe by itself, and needs not be: the collector calls back with the GIL held,
+    one collection at a time. `pauses_ms` is a `RollingStats` (thread-safe) of every
+    collection's length, ms; `collections` counts them per generation (0, 1, 2).
+    """
+
+    def __init__(self, window: int = 1000) -> None:
+        self.pauses_ms = RollingStats(window)
+        self.collections = [0, 0, 0]
+        self.max_ms = 0.0           # longest pause since install, ms
+        self._started: float | None = None
+        self._clock = time.perf_counter
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == 'start':
+            self._started = self._clock()
+        elif self._started is not None:
+            pause_ms = (self._clock() - self._started) * 1e3
+            self._started = None
+            generation = int(info.get('generation', 0))
+            self.collections[min(max(generation, 0), 2)] += 1
+            self.pauses_ms.add(pause_ms)
+            self.max_ms = max(self.max_ms, pause_ms)
+
+    def install(self) -> 'GcPauses':
+        """Starts timing collections (idempotent). Returns self."""
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+        return self
+
+    def remove(self) -> None:
+        """Stops timing collections (idempotent)."""
+        while self in gc.callbacks:
+            gc.callbacks.remove(self)
