@@ -1,0 +1,219 @@
+"""The action expert's flow loop alone (10 Euler steps x 36 DiT blocks), in variants.
+
+The loop is the largest stage of a query on the H200 (31.9 ms of ~69, 9100 kernel launches,
+25 per block-step; benchmarks/RESULTS.md "Where the time goes"). This builds only the
+full-size action expert (36 blocks x 768, 8 heads, cross-attention to an aligned 1680-token
+context: a 1664-token bucket + 1 state token, padded to 16), random weights N(0, 0.02),
+bf16, blocks compiled as the engine compiles them, the 10-step loop replayed as one CUDA
+graph, and times block-step variants that keep the math:
+
+- `current`: molmobot_policy.model.action_expert.DiTBlock as shipped;
+- `fused self q/kv`: the self-attention's q_proj and kv_proj as one GEMM (weights
+  concatenated once);
+- `+ self-attn as reductions`: the 16 x 16 self-attention written as broadcast products
+  summed in float32 instead of two batched matmuls, so that inductor can fuse it with the
+  reshapes and the softmax instead of launching copies and GEMMs;
+- `+ cross-attn as reductions`: the same for the 16 x 1680 cross-attention (expected slower:
+  it reads K once per query row).
+
+Each row: median / p99 ms of the graphed loop, kernel launches per loop (torch.profiler on
+the compiled, ungraphed loop), max |difference| of the loop output from `current` relative to
+its max |value|. `python3 benchmarks/benchmark_flow_loop.py --out $OUT/flow_loop.json`; on a
+machine without CUDA it runs the tiny shapes once as a correctness smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
+
+ORIGINAL_FORWARD = ae_mod.DiTBlock.forward
+
+
+def _fused_qkv(block):
+    if not hasattr(block, '_bench_qkv_w'):
+        a = block.attn1
+        block._bench_qkv_w = torch.cat([a.q_proj.weight, a.kv_proj.weight]).detach()
+        block._bench_qkv_b = torch.cat([a.q_proj.bias, a.kv_proj.bias]).detach()
+    return block._bench_qkv_w, block._bench_qkv_b
+
+
+def _self_attn_matmul(block, h):
+    a = block.attn1
+    w, b = _fused_qkv(block)
+    bsz, n, dim = h.shape
+    q, k, v = F.linear(h, w, b).view(bsz, n, 3, a.n_heads, a.head_dim).unbind(2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = torch.matmul(q * a.head_dim ** -0.5, k.transpose(-1, -2)).float()
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return a.proj(torch.matmul(probs, v).transpose(1, 2).reshape(bsz, n, dim))
+
+
+def _attn_reduce(q, k, v, scale, bias=None):
+    """q (B, T, H, hd), k/v (B, S, H, hd) -> (B, T, H, hd); float32 products and sums."""
+    scores = (q.float().unsqueeze(2) * k.float().unsqueeze(1)).sum(-1) * scale  # B T S H
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=2)
+    return (probs.unsqueeze(-1) * v.float().unsqueeze(1)).sum(2).to(q.dtype)
+
+
+def _self_attn_reduce(block, h):
+    a = block.attn1
+    w, b = _fused_qkv(block)
+    bsz, n, dim = h.shape
+    q, k, v = F.linear(h, w, b).view(bsz, n, 3, a.n_heads, a.head_dim).unbind(2)
+    return a.proj(_attn_reduce(q, k, v, a.head_dim ** -0.5).reshape(bsz, n, dim))
+
+
+def _cross_attn_reduce(block, x, k, v, bias):
+    a = block.attn2
+    bsz, n, dim = x.shape
+    q = a.q_proj(x).view(bsz, n, a.n_heads, a.head_dim)
+    # cached K/V are (B, H, S, hd); bias (B, 1, 1, S) -> (B, 1, S, 1)
+    out = _attn_reduce(q, k.transpose(1, 2), v.transpose(1, 2), a.head_dim ** -0.5,
+                       bias[:, 0, 0, :, None].unsqueeze(1))
+    return a.proj(out.reshape(bsz, n, dim))
+
+
+def make_forward(self_attn, cross_reduce):
+    def forward(self, x, mod, k, v, bias):
+        sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
+        h = ae_mod.modulate(self.norm1(x), sh1, sc1)
+        x = x + g1.unsqueeze(1) * self_attn(self, h)
+        h = ae_mod.modulate(self.norm2(x), sh2, sc2)
+        if cross_reduce:
+            x = x + g2.unsqueeze(1) * _cross_attn_reduce(self, h, k, v, bias)
+        else:
+            x = x + g2.unsqueeze(1) * self.attn2.attend(h, k, v, bias)
+        return x + g3.unsqueeze(1) * self.mlp(ae_mod.modulate(self.norm3(x), sh3, sc3))
+    return forward
+
+
+VARIANTS = {
+    'current': ORIGINAL_FORWARD,
+    'fused self q/kv': make_forward(_self_attn_matmul, False),
+    '+ self-attn as reductions': make_forward(_self_attn_reduce, False),
+    '+ cross-attn as reductions': make_forward(_self_attn_reduce, True),
+}
+
+
+def launches(fn, inputs) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    fn(**inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(**inputs)
+        torch.cuda.synchronize()
+    return int(sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0))
+
+
+def time_runner(runner, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        start.record()
+        runner.run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return float(np.median(samples)), float(np.percentile(samples, 99))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
+    parser.add_argument('--iters', type=int, default=50)
+    parser.add_argument('--out', default=None)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = torch.device('cuda' if cuda else 'cpu')
+    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam' if cuda else 'tiny')
+    context = args.context if cuda else 40
+    torch.manual_seed(0)
+    ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
+                             cfg.action_horizon, cfg.states_mode)
+    with torch.no_grad():
+        for p in ae.parameters():
+            p.normal_(0.0, 0.02)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    ae = ae.to(dev, dtype).eval()
+    steps = 10
+    with torch.inference_mode():
+        hidden = torch.randn(len(ae.blocks), 1, context, cfg.llm.d_model, device=dev,
+                             dtype=dtype)
+        mask = torch.ones(1, context, dtype=torch.bool, device=dev)
+        mask[:, -25:] = False                           # some padding, as in a bucket
+        states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev, dtype=dtype)
+        ctx = ae.prepare_context(hidden, mask, states)
+        cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
+                for i in range(steps)]
+        noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, device=dev)
+
+        def loop_fn(noise, keys, values, mask_bias, state_tokens):
+            c = ae_mod.ActionExpertContext(keys, values, mask_bias, state_tokens)
+            x = noise
+            for i in range(steps):
+                x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], c)
+            return x.float()
+
+        inputs = dict(noise=noise, keys=ctx.keys, values=ctx.values, mask_bias=ctx.mask_bias,
+                      state_tokens=ctx.state_tokens)
+        rows, reference = [], None
+        for name, forward in VARIANTS.items():
+            ae_mod.DiTBlock.forward = forward
+            torch._dynamo.reset()
+            for block in ae.blocks:
+                block.compile(dynamic=False, fullgraph=True)
+            try:
+                t0 = time.perf_counter()
+                runner = StaticRunner(loop_fn, inputs, cuda_graph=cuda)
+                warm_s = time.perf_counter() - t0
+                runner.load(**inputs)
+                out = runner.run().clone()
+                if reference is None:
+                    reference = out
+                err = float((out - reference).abs().max() / reference.abs().max())
+                row = {'variant': name, 'warmup_s': warm_s, 'rel_diff_vs_current': err}
+                if cuda:
+                    row['median_ms'], row['p99_ms'] = time_runner(runner, args.iters)
+                    row['launches'] = launches(loop_fn, inputs)
+            except Exception as exc:  # noqa: BLE001 - a variant may fail to compile
+                row = {'variant': name, 'error': f'{type(exc).__name__}: {str(exc)[:300]}'}
+            rows.append(row)
+            print(row, flush=True)
+        ae_mod.DiTBlock.forward = ORIGINAL_FORWARD
+
+    print(f'\nflow loop: {steps} steps x {len(ae.blocks)} blocks x {ae.cfg.hidden_size}, '
+          f'{ae.cfg.num_heads} heads, context {ctx.keys.shape[-2]} tokens, {dtype}; '
+          f'{torch.cuda.get_device_name() if cuda else "CPU smoke test"}')
+    print(f"{'variant':<30}{'median ms':>10}{'p99 ms':>9}{'launches':>10}{'rel diff':>10}")
+    for r in rows:
+        if 'error' in r:
+            print(f"{r['variant']:<30} failed: {r['error']}")
+        else:
+            print(f"{r['variant']:<30}{r.get('median_ms', float('nan')):>10.2f}"
+                  f"{r.get('p99_ms', float('nan')):>9.2f}{r.get('launches', 0):>10}"
+                  f"{r['rel_diff_vs_current']:>10.2e}")
+    if args.out:
+        with open(args.out, 'w') as f:
+            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
+                       'device': torch.cuda.get_device_name() if cuda else 'cpu',
+                       'torch': torch.__version__, 'rows': rows}, f, indent=1)
+    return 0 if all('error' not in r for r in rows) else 1
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
