@@ -45,7 +45,6 @@ SETTLE_S = 5.0
 # ------------------------------------------------------------------------ one variant
 def run_variant(args) -> int:
     """`variant` sub-command: the node in this process; prints one JSON line of results."""
-    import gc
     import threading
 
     import numpy as np

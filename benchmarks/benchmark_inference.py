@@ -201,7 +201,8 @@ def main() -> None:
         write_json(args.out, {'partial': True, 'rows': rows})
         g, q = row['generate_actions_ms'], row['full_query_ms']
         print(f'  {name}: generate_actions median {g["median"]:.2f} ms p99 {g["p99"]:.2f}; '
-              f'full query median {q["median"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s', flush=True)
+              f'full query median {q["median"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s',
+              flush=True)
 
     eager = next((r for r in rows if r['rung'] == 'eager'), rows[0])
     ref = np.asarray(eager['actions_normalized'])

@@ -38,8 +38,8 @@ def test_predict_returns_a_chunk_in_robot_units(engine):
     assert np.isfinite(chunk.actions).all()
     q01 = np.asarray(cfg.norm_stats.action_q01, np.float32)
     q99 = np.asarray(cfg.norm_stats.action_q99, np.float32)
-    np.testing.assert_allclose(chunk.actions, (chunk.actions_normalized + 1) * (q99 - q01) / 2 + q01,
-                               rtol=1e-6, atol=1e-5)
+    expected = (chunk.actions_normalized + 1) * (q99 - q01) / 2 + q01
+    np.testing.assert_allclose(chunk.actions, expected, rtol=1e-6, atol=1e-5)
     assert chunk.observation_stamp == 1.5 and chunk.observation_seq == 3
     assert chunk.inference_ms > 0
 

@@ -171,13 +171,14 @@ class MolmoBotConfig:
 
     def __post_init__(self) -> None:
         if self.states_mode not in ('cross_attn', 'self_attn'):
-            raise ValueError(f"states_mode must be 'cross_attn' or 'self_attn', got {self.states_mode!r}")
+            raise ValueError("states_mode must be 'cross_attn' or 'self_attn', got "
+                             f'{self.states_mode!r}')
         if self.action_expert_layer_mode not in ('per_layer', 'even'):
             raise ValueError("action_expert_layer_mode must be 'per_layer' or 'even', "
                              f'got {self.action_expert_layer_mode!r}')
         if self.action_horizon > self.action_expert.max_horizon:
-            raise ValueError(f'action_horizon {self.action_horizon} exceeds action_expert.max_horizon '
-                             f'{self.action_expert.max_horizon}')
+            raise ValueError(f'action_horizon {self.action_horizon} exceeds '
+                             f'action_expert.max_horizon {self.action_expert.max_horizon}')
 
     @property
     def tokens_per_image(self) -> int:

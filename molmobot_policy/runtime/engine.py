@@ -341,7 +341,8 @@ class PolicyEngine:
             input_ids=torch.as_tensor(padded, device=dev)[None],
             attention_mask=torch.as_tensor(mask, device=dev)[None],
             position_ids=torch.as_tensor(positions, device=dev)[None],
-            image_positions=torch.as_tensor(np.asarray(image_positions, np.int64), device=dev)[None],
+            image_positions=torch.as_tensor(np.asarray(image_positions, np.int64),
+                                            device=dev)[None],
             token_pooling=self._pooling, length=length, bucket=bucket)
 
     def _prompt_ids(self, instruction: str) -> np.ndarray:
@@ -480,7 +481,8 @@ class PolicyEngine:
             else:
                 noise = np.asarray(noise, dtype=np.float32)
                 if noise.shape != (mcfg.action_horizon, mcfg.action_dim):
-                    raise ValueError(f'noise: expected shape {(mcfg.action_horizon, mcfg.action_dim)}, '
+                    raise ValueError('noise: expected shape '
+                                     f'{(mcfg.action_horizon, mcfg.action_dim)}, '
                                      f'got {noise.shape}')
                 noise_t = torch.as_tensor(noise, device=self.device)[None]
             t_model = time.perf_counter()
