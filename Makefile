@@ -12,7 +12,7 @@ export FASTDDS_DEFAULT_PROFILES_FILE ?= $(CURDIR)/config/fastdds_large_images.xm
 export MUJOCO_GL ?= egl
 export PYOPENGL_PLATFORM ?= egl
 
-.PHONY: setup demo test bench-cpu clean
+.PHONY: setup demo test clean
 
 setup: $(VENV)/.installed
 

@@ -8,7 +8,7 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.model.checkpoint import load_config  # noqa: E402
-from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode, unmatched_parameter_files  # noqa: E402
 
 
 class _Refuse:
@@ -59,3 +59,25 @@ def test_engine_options_are_node_parameters(ros_context):
 def test_missing_checkpoint_path_is_named():
     with pytest.raises(FileNotFoundError, match='does not exist'):
         load_config('/nonexistent/molmobot_tinyy')
+
+
+def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):
+    with pytest.raises(ValueError, match=r"parameter 'gripper_threshold': 0 is not a valid "
+                                         r'float.*decimal point'):
+        _node(ros_context, [Parameter('autostart', value=False),
+                            Parameter('gripper_threshold', value=0)], 'param_int_float')
+
+
+def test_parameter_file_without_a_section_for_the_node_is_reported(tmp_path):
+    typo = tmp_path / 'typo.yaml'
+    typo.write_text('molmobot_polcy:\n  ros__parameters:\n    chunk_period: 0.5\n')
+    good = tmp_path / 'good.yaml'
+    good.write_text('/molmobot_policy:\n  ros__parameters:\n    chunk_period: 0.5\n')
+    wildcard = tmp_path / 'wildcard.yaml'
+    wildcard.write_text('/**:\n  ros__parameters:\n    use_sim_time: true\n')
+    argv = ['node', '--ros-args', '--params-file', str(typo), '--params-file', str(good),
+            '--params-file', str(wildcard)]
+    errors = unmatched_parameter_files(argv, 'molmobot_policy')
+    assert len(errors) == 1
+    assert str(typo) in errors[0] and "'molmobot_polcy'" in errors[0]
+    assert unmatched_parameter_files(argv[:2] + argv[4:], 'molmobot_policy') == []

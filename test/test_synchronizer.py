@@ -195,3 +195,40 @@ def test_stats_report_rate_age_and_count_per_topic():
     assert stats[CAMERAS[1]].count == 0 and stats[CAMERAS[1]].age is None
     assert stats['/joint_states'].rate_hz == pytest.approx(10.0)
     assert sync.stats(now=13.0)[CAMERAS[0]].rate_hz == pytest.approx(10 / 3.0)
+    assert all(s.problem == '' for s in stats.values())
+
+
+def test_stats_name_an_undecodable_camera_until_a_good_frame_decodes():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    bad = _image(1)
+    bad.encoding = 'yuv422'
+    sync.add_image(CAMERAS[1], bad, 10.1, 10.1)
+    sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    problem = sync.stats(now=10.1)[CAMERAS[1]].problem
+    assert problem.startswith('newest frame refused') and "'yuv422'" in problem
+    assert sync.stats(now=10.1)[CAMERAS[0]].problem == ''
+    sync.add_image(CAMERAS[1], _image(2), 10.2, 10.2)
+    assert isinstance(sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0), Observation)
+    assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
+
+
+def test_a_refused_joint_state_is_named_in_stats_and_in_the_skip():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    with pytest.raises(ValueError):
+        sync.add_joint_state(list(JOINTS), [0.1, 0.2], 10.0, 10.0)
+    stats = sync.stats(now=10.0)['/joint_states']
+    assert stats.count == 1 and '3 names but 2 positions' in stats.problem
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and '3 names but 2 positions' in str(skip)
+    sync.add_joint_state(list(JOINTS), [0.1, 0.2, 0.3], 10.1, 10.1)     # a good one clears it
+    assert sync.stats(now=10.1)['/joint_states'].problem == ''
+
+
+def test_stats_name_configured_joints_that_never_arrive():
+    sync = _sync()
+    sync.add_joint_state(['joint_a', 'joint_b'], [0.1, 0.2], 10.0, 10.0)
+    stats = sync.stats(now=10.0)['/joint_states']
+    assert stats.age is None and stats.problem == "joints ['finger'] never received"

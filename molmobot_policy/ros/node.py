@@ -41,6 +41,7 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
                                 ParameterType, SetParametersResult)
 from rclpy._rclpy_pybind11 import RCLError
 from rclpy.duration import Duration
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
@@ -276,7 +277,18 @@ class PolicyNode(LifecycleNode):
     def __init__(self, engine_factory=None, node_name: str = NODE_NAME, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         for name, (default, descriptor) in PARAMETERS.items():
-            self.declare_parameter(name, default, descriptor)
+            try:
+                self.declare_parameter(name, default, descriptor)
+            except (InvalidParameterTypeException, InvalidParameterValueException) as error:
+                given = getattr(self, '_parameter_overrides', {}).get(name)
+                value = given.value if given is not None else '?'
+                raise ValueError(
+                    f"parameter '{name}': {value!r} is not a valid "
+                    f"{type(default).__name__} ({descriptor.description}"
+                    + (f'; {descriptor.additional_constraints}'
+                       if descriptor.additional_constraints else '')
+                    + ('; write floats with a decimal point, e.g. 0.0' if isinstance(default, float)
+                       else '') + f'): {error}') from None
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
@@ -657,8 +669,12 @@ class PolicyNode(LifecycleNode):
         for topic, stats in self._sync.stats(now).items():
             is_camera = topic != self._sync.joint_state_topic
             max_age = self._param('max_image_age' if is_camera else 'max_state_age')
-            if stats.age is None:
+            if stats.count == 0:
                 level, message = ERROR, 'no message received'
+            elif stats.problem:
+                level, message = WARN, stats.problem
+            elif stats.age is None:
+                level, message = ERROR, 'no usable message received'
             elif stats.age > max_age:
                 level, message = WARN, f'stale: age {stats.age:.3f} s > {max_age:.3f} s'
             elif stats.rate_hz < min_rate:
@@ -719,6 +735,37 @@ def _summary(prefix: str, summary: dict) -> dict:
             for k in ('p50', 'p99', 'max')}
 
 
+def unmatched_parameter_files(argv: list[str], node_name: str) -> list[str]:
+    """Errors for `--params-file` files (in `argv`) with no section for `node_name`.
+
+    ROS applies a parameter file section only to the node it names (`molmobot_policy:`,
+    `/molmobot_policy:`, `/ns/molmobot_policy:`, or wildcards such as `/**:`); a misspelled
+    section is ignored without a word and the node would run on its defaults. Returns one
+    message per such file, naming its sections and the closest to `node_name`; files that
+    cannot be read are left to ROS to report.
+    """
+    import difflib
+
+    import yaml
+    errors = []
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == '--params-file']
+    for path in paths:
+        try:
+            with open(path) as f:
+                sections = list((yaml.safe_load(f) or {}).keys())
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        names = [str(k).rstrip('/').split('/')[-1] for k in sections]
+        if any('*' in str(k) for k in sections) or node_name in names:
+            continue
+        close = difflib.get_close_matches(node_name, names, n=1)
+        errors.append(f"parameter file {path} has no section for node '{node_name}' (its "
+                      f'sections: {sections}' + (f"; did you mean '{node_name}' for "
+                                                  f"'{close[0]}'?" if close else '')
+                      + '): none of its parameters would apply')
+    return errors
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -726,12 +773,23 @@ def main(args=None) -> int:
     node = None
     status = 0
     try:
-        node = PolicyNode()
+        try:
+            node = PolicyNode()
+        except ValueError as error:
+            print(f'[FATAL] [{NODE_NAME}]: {error}', file=sys.stderr, flush=True)
+            return 1
+        file_errors = unmatched_parameter_files(list(args if args is not None else sys.argv),
+                                                node.get_name())
+        if file_errors:
+            for error in file_errors:
+                node.get_logger().fatal(error)
+            return 1
         # One thread for every callback: they only store messages (the worker thread runs
-        # inference). rclpy's MultiThreadedExecutor costs far more under 240 camera
-        # frames/s: its per-callback tasks and futures triggered ~150 collections/s and
-        # 80-90 ms full collections, tripled the callbacks' CPU and added up to 60 ms to
-        # inference and 53 ms (p99) to publish jitter (benchmarks/RESULTS.md, "Executor").
+        # inference). rclpy's MultiThreadedExecutor(4) under 240 camera frames/s creates
+        # task and future objects per callback (a garbage collection every few ms) and holds
+        # the GIL the worker needs between CUDA calls: on the H200, inference p99 199-253 ms
+        # instead of 70 ms and publish jitter p99 140-146 ms instead of 0.8-1.0 ms
+        # (benchmarks/RESULTS.md, "What it took: the executor and the garbage collector").
         executor = SingleThreadedExecutor()
         executor.add_node(node)
         if node.get_parameter('autostart').value and not node.autostart():
@@ -746,6 +804,7 @@ def main(args=None) -> int:
             raise
     finally:
         if node is not None:
+            node.get_logger().info(f'shutting down after {node.chunks_published} chunks')
             node._stop_worker()
             node._close_engine()
             node.destroy_node()

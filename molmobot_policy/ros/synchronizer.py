@@ -54,11 +54,15 @@ class TopicStats:
             (0.0 with < 2 messages).
         age: now - newest header stamp, s (None before the first message).
         count: messages received since construction.
+        problem: why the newest input cannot be used although messages arrive (a frame
+            that failed to decode, a malformed joint state, configured joints never sent);
+            '' when none.
     """
 
     rate_hz: float
     age: float | None
     count: int
+    problem: str = ''
 
 
 class ObservationSynchronizer:
@@ -100,6 +104,7 @@ class ObservationSynchronizer:
                                for t in self.camera_topics + (joint_state_topic,)}
         self._counts = dict.fromkeys(self._receive_times, 0)
         self._last_stamps: dict[str, float] = {}   # per input, stamps used by the last build
+        self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
         self._seq = 0
 
     # ----------------------------------------------------------------- store (callbacks)
@@ -143,10 +148,15 @@ class ObservationSynchronizer:
             ValueError: `names` and `positions` differ in length.
         """
         if len(names) != len(positions):
-            raise ValueError(f'joint state on {self.joint_state_topic!r}: {len(names)} names '
-                             f'but {len(positions)} positions; expected equal lengths')
+            problem = (f'joint state on {self.joint_state_topic!r}: {len(names)} names but '
+                       f'{len(positions)} positions; expected equal lengths')
+            with self._lock:
+                self._note_receive(self.joint_state_topic, received)
+                self._problems[self.joint_state_topic] = f'last message refused: {problem}'
+            raise ValueError(problem)
         with self._lock:
             self._note_receive(self.joint_state_topic, received)
+            self._problems.pop(self.joint_state_topic, None)
             for name, position in zip(names, positions):
                 if name in self.joint_names:
                     old = self._joints.get(name)
@@ -190,7 +200,10 @@ class ObservationSynchronizer:
         missing = [n for n, j in joints.items() if j is None]
         stale = [n for n, j in joints.items() if j is not None and now - j[1] > max_state_age]
         if missing:
-            reasons.append(f'joint state {self.joint_state_topic} lacks joints {missing}')
+            with self._lock:
+                refused = self._problems.get(self.joint_state_topic, '')
+            reasons.append(f'joint state {self.joint_state_topic} lacks joints {missing}'
+                           + (f' ({refused})' if refused else ''))
         if stale:
             ages = max(now - joints[n][1] for n in stale)
             reasons.append(f'joint state {self.joint_state_topic} is stale for {stale}: age '
@@ -214,7 +227,11 @@ class ObservationSynchronizer:
                 except ValueError as error:
                     reasons.append(str(error))
                     topics.append(topic)
+                    with self._lock:
+                        self._problems[topic] = f'newest frame refused: {error}'
                     continue
+                with self._lock:
+                    self._problems.pop(topic, None)
             images.append(frame.decoded)
         if reasons:
             return Skip(tuple(reasons), tuple(topics))
@@ -245,11 +262,15 @@ class ObservationSynchronizer:
                 # measured up to now, so the rate decays when a topic stops
                 span = max(now, times[-1]) - times[0] if times else 0.0
                 rate = (len(times) - 1) / span if len(times) >= 2 and span > 0 else 0.0
+                problem = self._problems.get(topic, '')
                 if topic == self.joint_state_topic:
                     seen = [self._joints.get(n) for n in self.joint_names]
                     age = None if None in seen else now - min(j[1] for j in seen)
+                    never = [n for n, j in zip(self.joint_names, seen) if j is None]
+                    if never and self._counts[topic] and not problem:
+                        problem = f'joints {never} never received'
                 else:
                     frame = self._frames.get(topic)
                     age = None if frame is None else now - frame.stamp
-                result[topic] = TopicStats(rate, age, self._counts[topic])
+                result[topic] = TopicStats(rate, age, self._counts[topic], problem)
             return result
