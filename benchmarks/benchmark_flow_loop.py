@@ -14,7 +14,13 @@ graph, and times block-step variants that keep the math:
   summed in float32 instead of two batched matmuls, so that inductor can fuse it with the
   reshapes and the softmax instead of launching copies and GEMMs;
 - `+ cross-attn as reductions`: the same for the 16 x 1680 cross-attention (expected slower:
-  it reads K once per query row).
+  it reads K once per query row);
+- `fused adaLN GEMMs (Triton)`: every Linear of the block as a Triton kernel with the rest
+  of its sub-layer fused in (benchmarks/fused_dit_kernels.py): LayerNorm + modulation in the
+  prologue of the fused self q/kv GEMM, the cross-attention q_proj and fc1 (+ GELU), the
+  gated residual in the epilogue of both attention projections and fc2; the attention itself
+  as in `current`. Needs CUDA and Triton (else skipped, with the reason); the kernels are
+  `torch.library.triton_op`s, and opaque `custom_op`s if those fail to compile.
 
 Each row: median / p99 ms of the graphed loop, kernel launches per loop (torch.profiler on
 the compiled, ungraphed loop), max |difference| of the loop output from `current` relative to
@@ -33,8 +39,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+sys.path.insert(0, BENCH_DIR)
 
+import fused_dit_kernels as fdk  # noqa: E402
 from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
@@ -102,12 +111,54 @@ def make_forward(self_attn, cross_reduce):
     return forward
 
 
+def _attention(q, k, v, scale, bias=None):
+    """`Attention.attend` after its q_proj: q (B, H, T, hd) unscaled, k/v (B, H, S, hd),
+    bias (B, 1, 1, S) or None -> (B, T, H * hd); float32 softmax."""
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def make_fused_forward(adaln_linear, gated_linear):
+    """Block-step of seven fused Linears (fused_dit_kernels ops) around the two attentions."""
+    def forward(self, x, mod, k, v, bias):
+        sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
+        a1, a2, mlp = self.attn1, self.attn2, self.mlp
+        bsz, n, _ = x.shape
+        qkv = adaln_linear(x, sh1, sc1, *_fused_qkv(self))  # q | keys | values
+        q1, k1, v1 = qkv.view(bsz, n, 3, a1.n_heads, a1.head_dim).transpose(1, 3).unbind(2)
+        x = gated_linear(_attention(q1, k1, v1, a1.head_dim ** -0.5), a1.proj.weight,
+                         a1.proj.bias, g1, x)
+        q2 = adaln_linear(x, sh2, sc2, a2.q_proj.weight, a2.q_proj.bias)
+        q2 = q2.view(bsz, n, a2.n_heads, a2.head_dim).transpose(1, 2)
+        x = gated_linear(_attention(q2, k, v, a2.head_dim ** -0.5, bias), a2.proj.weight,
+                         a2.proj.bias, g2, x)
+        h = adaln_linear(x, sh3, sc3, mlp.fc1.weight, mlp.fc1.bias, True)
+        return gated_linear(h, mlp.fc2.weight, mlp.fc2.bias, g3, x)
+    return forward
+
+
+FUSED = 'fused adaLN GEMMs (Triton)'
 VARIANTS = {
     'current': ORIGINAL_FORWARD,
     'fused self q/kv': make_forward(_self_attn_matmul, False),
     '+ self-attn as reductions': make_forward(_self_attn_reduce, False),
     '+ cross-attn as reductions': make_forward(_self_attn_reduce, True),
+    FUSED: None,  # built per kind of op in `variant_forwards`
 }
+
+
+def variant_forwards(name, cuda):
+    """name -> ([(label, DiTBlock.forward), ...] to try in order, reason to skip or None)."""
+    if name != FUSED:
+        return [(None, VARIANTS[name])], None
+    missing = [reason for ok, reason in ((cuda, 'no CUDA device'),
+                                         (fdk.AVAILABLE, fdk.UNAVAILABLE_REASON)) if not ok]
+    if missing:
+        return [], 'needs CUDA and Triton: ' + '; '.join(missing)
+    return [(kind, make_fused_forward(*ops)) for kind, ops in fdk.OPS.items()], None
 
 
 def launches(fn, inputs) -> int:
@@ -171,27 +222,47 @@ def main(argv=None) -> int:
 
         inputs = dict(noise=noise, keys=ctx.keys, values=ctx.values, mask_bias=ctx.mask_bias,
                       state_tokens=ctx.state_tokens)
-        rows, reference = [], None
-        for name, forward in VARIANTS.items():
+        for block in ae.blocks:  # the fused variants' weights, concatenated outside compile
+            _fused_qkv(block)
+
+        def measure(forward):
+            """Installs `forward`, compiles, graphs and times the loop -> (row fields, out)."""
             ae_mod.DiTBlock.forward = forward
             torch._dynamo.reset()
             for block in ae.blocks:
                 block.compile(dynamic=False, fullgraph=True)
-            try:
-                t0 = time.perf_counter()
-                runner = StaticRunner(loop_fn, inputs, cuda_graph=cuda)
-                warm_s = time.perf_counter() - t0
-                runner.load(**inputs)
-                out = runner.run().clone()
+            t0 = time.perf_counter()
+            runner = StaticRunner(loop_fn, inputs, cuda_graph=cuda)
+            fields = {'warmup_s': time.perf_counter() - t0}
+            runner.load(**inputs)
+            out = runner.run().clone()
+            if cuda:
+                fields['median_ms'], fields['p99_ms'] = time_runner(runner, args.iters)
+                fields['launches'] = launches(loop_fn, inputs)
+            return fields, out
+
+        rows, reference = [], None
+        for name in VARIANTS:
+            candidates, skip = variant_forwards(name, cuda)
+            row = {'variant': name, 'skipped': skip} if skip else None
+            failures = []  # candidates that failed, before the one measured (if any)
+            for kind, forward in candidates:
+                try:
+                    fields, out = measure(forward)
+                except Exception as exc:  # noqa: BLE001 - a variant may fail to compile
+                    failures.append(f"{kind + ': ' if kind else ''}{type(exc).__name__}: "
+                                    f"{str(exc)[:300]}")
+                    continue
                 if reference is None:
                     reference = out
                 err = float((out - reference).abs().max() / reference.abs().max())
-                row = {'variant': name, 'warmup_s': warm_s, 'rel_diff_vs_current': err}
-                if cuda:
-                    row['median_ms'], row['p99_ms'] = time_runner(runner, args.iters)
-                    row['launches'] = launches(loop_fn, inputs)
-            except Exception as exc:  # noqa: BLE001 - a variant may fail to compile
-                row = {'variant': name, 'error': f'{type(exc).__name__}: {str(exc)[:300]}'}
+                row = {'variant': name, **({'ops': kind} if kind else {}), **fields,
+                       'rel_diff_vs_current': err}
+                break
+            if failures and row is None:
+                row = {'variant': name, 'error': ' | '.join(failures)}
+            elif failures:
+                row['failed_first'] = ' | '.join(failures)
             rows.append(row)
             print(row, flush=True)
         ae_mod.DiTBlock.forward = ORIGINAL_FORWARD
@@ -203,6 +274,8 @@ def main(argv=None) -> int:
     for r in rows:
         if 'error' in r:
             print(f"{r['variant']:<30} failed: {r['error']}")
+        elif 'skipped' in r:
+            print(f"{r['variant']:<30} skipped: {r['skipped']}")
         else:
             print(f"{r['variant']:<30}{r.get('median_ms', float('nan')):>10.2f}"
                   f"{r.get('p99_ms', float('nan')):>9.2f}{r.get('launches', 0):>10}"
