@@ -35,7 +35,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +46,7 @@ import fused_dit_kernels as fdk  # noqa: E402
 from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
+from profile_stages import time_runner  # noqa: E402
 
 ORIGINAL_FORWARD = ae_mod.DiTBlock.forward
 
@@ -171,18 +171,6 @@ def launches(fn, inputs) -> int:
     return int(sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0))
 
 
-def time_runner(runner, iters):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iters):
-        start.record()
-        runner.run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return float(np.median(samples)), float(np.percentile(samples, 99))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
@@ -237,7 +225,8 @@ def main(argv=None) -> int:
             runner.load(**inputs)
             out = runner.run().clone()
             if cuda:
-                fields['median_ms'], fields['p99_ms'] = time_runner(runner, args.iters)
+                timing = time_runner(runner, args.iters)
+                fields['median_ms'], fields['p99_ms'] = timing['median'], timing['p99']
                 fields['launches'] = launches(loop_fn, inputs)
             return fields, out
 

@@ -75,6 +75,16 @@ class NodeProcess:
         return self.process.returncode
 
 
+@pytest.fixture
+def ros_context():
+    """A fresh rclpy context for nodes built in this test process (shut down afterwards)."""
+    rclpy = pytest.importorskip('rclpy')
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    yield context
+    rclpy.try_shutdown(context=context)
+
+
 @pytest.fixture(scope='module')
 def start_policy_node(tmp_path_factory):
     """Factory: start_policy_node(parameters) -> NodeProcess; every process is stopped

@@ -31,12 +31,11 @@ class _Engine:
         self.closed = True
 
 
-@pytest.fixture
-def ros_context():
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    yield context
-    rclpy.try_shutdown(context=context)
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """Every test starts and ends with nothing frozen (the freeze is process-wide)."""
+    gc.unfreeze()
+    yield
     gc.unfreeze()
 
 
@@ -52,7 +51,6 @@ def _node(context, name, gc_freeze):
 
 
 def test_configure_freezes_the_start_up_heap_and_cleanup_releases_it(ros_context):
-    gc.unfreeze()
     node = _node(ros_context, 'gc_freeze_on', True)
     try:
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
@@ -66,7 +64,6 @@ def test_configure_freezes_the_start_up_heap_and_cleanup_releases_it(ros_context
 
 
 def test_gc_freeze_false_leaves_the_collector_alone(ros_context):
-    gc.unfreeze()
     node = _node(ros_context, 'gc_freeze_off', False)
     try:
         assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS

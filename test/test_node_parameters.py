@@ -18,14 +18,6 @@ class _Refuse:
         raise AssertionError('the engine must not be built')
 
 
-@pytest.fixture
-def ros_context():
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    yield context
-    rclpy.try_shutdown(context=context)
-
-
 def _node(context, overrides, name):
     return PolicyNode(engine_factory=_Refuse(), node_name=name, context=context,
                       parameter_overrides=overrides)
