@@ -70,3 +70,16 @@ def test_gc_freeze_false_leaves_the_collector_alone(ros_context):
         assert gc.get_freeze_count() == 0
     finally:
         node.destroy_node()
+
+
+def test_cleanup_leaves_a_freeze_it_did_not_make(ros_context):
+    node = _node(ros_context, 'gc_freeze_foreign', False)
+    try:
+        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        gc.freeze()                                  # e.g. the embedding application's
+        frozen = gc.get_freeze_count()
+        assert node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+        # still frozen (refcounting may have freed a few of the frozen objects)
+        assert gc.get_freeze_count() > frozen // 2 > 0
+    finally:
+        node.destroy_node()

@@ -292,6 +292,7 @@ class PolicyNode(LifecycleNode):
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
+        self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
         self._input_subscriptions = []
         self._trajectory_pub = None
@@ -477,6 +478,7 @@ class PolicyNode(LifecycleNode):
         # generation that collections skip (refcounting still frees it).
         gc.collect()
         gc.freeze()
+        self._froze_heap = True
         self.get_logger().info(f'froze {gc.get_freeze_count()} start-up objects out of the '
                                'garbage collector (gc_freeze)')
 
@@ -486,7 +488,8 @@ class PolicyNode(LifecycleNode):
                 self.engine.close()
             finally:
                 self.engine = None
-                if gc.get_freeze_count():   # let the collector free the engine's cycles
+                if self._froze_heap:        # let the collector free the engine's cycles
+                    self._froze_heap = False
                     gc.unfreeze()
                     gc.collect()
 
