@@ -154,12 +154,18 @@ def test_frames_are_decoded_lazily_and_only_when_used():
     assert decoded == list(CAMERAS)      # newest frames only, each decoded once
 
 
-def test_undecodable_frame_skips_the_tick_naming_the_topic():
+def _with_undecodable_frame(camera):
+    """Fresh inputs at 10.0 s, then a 'yuv422' frame (unsupported) on `camera` at 10.1 s."""
     sync = _sync()
     _fill(sync, stamp=10.0)
     bad = _image(1)
     bad.encoding = 'yuv422'
-    sync.add_image(CAMERAS[1], bad, 10.1, 10.1)
+    sync.add_image(camera, bad, 10.1, 10.1)
+    return sync
+
+
+def test_undecodable_frame_skips_the_tick_naming_the_topic():
+    sync = _with_undecodable_frame(CAMERAS[1])
     skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
     assert isinstance(skip, Skip)
     assert skip.topics == (CAMERAS[1],) and "'yuv422'" in str(skip)
@@ -199,11 +205,7 @@ def test_stats_report_rate_age_and_count_per_topic():
 
 
 def test_stats_name_an_undecodable_camera_until_a_good_frame_decodes():
-    sync = _sync()
-    _fill(sync, stamp=10.0)
-    bad = _image(1)
-    bad.encoding = 'yuv422'
-    sync.add_image(CAMERAS[1], bad, 10.1, 10.1)
+    sync = _with_undecodable_frame(CAMERAS[1])
     sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
     problem = sync.stats(now=10.1)[CAMERAS[1]].problem
     assert problem.startswith('newest frame refused') and "'yuv422'" in problem
