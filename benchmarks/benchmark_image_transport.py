@@ -62,7 +62,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_node_jitter import cpu_seconds, still_rgb8_image  # noqa: E402
+from benchmark_node_jitter import (cpu_seconds, interrupt_then_kill,  # noqa: E402
+                                   still_rgb8_image)
 
 REPO = Path(__file__).resolve().parents[1]
 READY = 'READY'
@@ -221,15 +222,9 @@ class Child:
         return bool(result) and result[0].strip() == READY
 
     def stop(self, timeout: float = 5.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        status = interrupt_then_kill(self.popen, timeout)
         self._log.close()
-        return self.popen.returncode
+        return status
 
 
 def transport_env(transport: str) -> dict:

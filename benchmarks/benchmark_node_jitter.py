@@ -152,6 +152,19 @@ def run_publisher(args) -> int:
     return 0
 
 
+def interrupt_then_kill(popen: subprocess.Popen, timeout: float) -> int:
+    """SIGINT a running child (a clean ROS shutdown), SIGKILL it if it has not exited after
+    `timeout` s; returns its exit status."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGINT)
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+    return popen.returncode
+
+
 class Process:
     """A child process; stdout parsed for STATS lines (publishers) or sent to a log file."""
 
@@ -183,13 +196,7 @@ class Process:
 
     def stop(self, timeout: float) -> int:
         """SIGINT, then SIGKILL after `timeout` s; returns the exit status."""
-        if self.running():
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        interrupt_then_kill(self.popen, timeout)
         if self._reader is not None:
             self._reader.join(timeout=2.0)
         self._log.close()
