@@ -1,5 +1,5 @@
 """Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets ->
-+bf16 ViT attention -> +fp8.
++bf16 ViT attention -> +fused action-expert kernel (the default) -> +fp8.
 
 Builds the full-size MolmoBot with random weights (preset `molmobot-4b-8cam`: 8 cameras
 480x640, 14-D state and actions, horizon 16, 10 flow steps) once, then times each rung of
@@ -14,7 +14,8 @@ the ladder in the same process on the same weights:
 Per rung: median / p99 / max ms of both, peak and reserved GPU memory, speed-up over eager,
 warm-up (compile + capture) seconds, and the deviation of its actions from the eager
 bf16 rung on the same inputs and noise (max / mean |delta| over the normalized action range
-of 2). Then the zero-recompile check: instructions of 1..200 words after warm-up.
+of 2), and of the rungs after the default one from the default (`dev vs default`: what fp8
+changes). Then the zero-recompile check: instructions of 1..200 words after warm-up.
 
     python benchmarks/benchmark_inference.py --out benchmarks/out/inference.json
     python benchmarks/benchmark_inference.py --preset tiny --device cpu --rungs eager,compile
@@ -49,17 +50,20 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
     base = dict(device=device, dtype='bfloat16')
     cuda = device.startswith('cuda')
     exact = dict(vit_fp32_attention=True)      # upstream's float32 ViT attention
+    blocks = dict(fused_action_expert='off')   # the compiled DiT blocks, not the fused kernel
+    opt = dict(base, compile=True, buckets=buckets, cuda_graphs=cuda)
     return {
-        'eager': dict(base, **exact, kv_cache=False),
-        'compile': dict(base, **exact, kv_cache=False, compile=True, buckets=(pad,)),
-        '+cuda_graphs': dict(base, **exact, kv_cache=False, compile=True, buckets=(pad,),
-                             cuda_graphs=cuda),
-        '+kv_cache': dict(base, **exact, compile=True, buckets=(pad,), cuda_graphs=cuda),
-        '+buckets': dict(base, **exact, compile=True, buckets=buckets, cuda_graphs=cuda),
-        '+vit_bf16_attn': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda),
-        '+fp8': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda, quantize='fp8'),
-        '+fp8_tensor': dict(base, compile=True, buckets=buckets, cuda_graphs=cuda,
-                            quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
+        'eager': dict(base, **exact, **blocks, kv_cache=False),
+        'compile': dict(base, **exact, **blocks, kv_cache=False, compile=True, buckets=(pad,)),
+        '+cuda_graphs': dict(base, **exact, **blocks, kv_cache=False, compile=True,
+                             buckets=(pad,), cuda_graphs=cuda),
+        '+kv_cache': dict(base, **exact, **blocks, compile=True, buckets=(pad,),
+                          cuda_graphs=cuda),
+        '+buckets': dict(opt, **exact, **blocks),
+        '+vit_bf16_attn': dict(opt, **blocks),
+        '+fused_ae': dict(opt),                 # the default configuration
+        '+fp8': dict(opt, quantize='fp8'),
+        '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 
 
@@ -161,7 +165,7 @@ def main() -> None:
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,'
-                    '+vit_bf16_attn,+fp8')
+                    '+vit_bf16_attn,+fused_ae,+fp8')
     ap.add_argument('--iters', type=int, default=50)
     ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')
     ap.add_argument('--buckets', default='auto', help="comma list, or 'auto'")
@@ -213,6 +217,14 @@ def main() -> None:
         r['action_dev_mean_pct'] = float(dev.mean() * 100)
         r['speedup_vs_eager'] = eager['generate_actions_ms']['median'] / \
             r['generate_actions_ms']['median']
+    names = [r['rung'] for r in rows]
+    default = next((n for n in ('+fused_ae', '+vit_bf16_attn') if n in names), None)
+    if default is not None:
+        ref_default = np.asarray(rows[names.index(default)]['actions_normalized'])
+        for r in rows[names.index(default) + 1:]:
+            dev = np.abs(np.asarray(r['actions_normalized']) - ref_default) / 2.0
+            r['dev_vs_default'] = {'rung': default, 'max_pct': float(dev.max() * 100),
+                                   'mean_pct': float(dev.mean() * 100)}
     result = {'date': datetime.now(timezone.utc).isoformat(timespec='seconds'),
               'command': ' '.join(sys.argv), 'host': platform.node(),
               'gpu': torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
@@ -231,6 +243,11 @@ def main() -> None:
         print(f'{r["rung"]:<13}{g["median"]:>9.2f}{g["p99"]:>9.2f}{g["max"]:>9.2f}'
               f'{q["median"]:>10.2f}{q["p99"]:>10.2f}{r["speedup_vs_eager"]:>8.2f}'
               f'{r.get("peak_gb", 0):>8.1f}{r["warmup_s"]:>8.1f}{r["action_dev_max_pct"]:>9.3f}')
+    for r in rows:
+        if 'dev_vs_default' in r:
+            d = r['dev_vs_default']
+            print(f'{r["rung"]} vs {d["rung"]}: max {d["max_pct"]:.3f} %, mean '
+                  f'{d["mean_pct"]:.3f} % of the action range')
     if 'recompile_check' in result:
         print('recompile check:', result['recompile_check'])
 

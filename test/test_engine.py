@@ -168,6 +168,24 @@ def test_unknown_options_are_rejected_by_name():
 def test_mode_reports_the_engine_settings(engine):
     mode = engine.mode
     assert mode['model'] == 'tiny' and mode['compile'] == 'False' and mode['fp8'] == 'none'
+    assert mode['fused_action_expert'] == 'off'     # CPU: the DiT blocks
+
+
+def test_fused_action_expert_option_is_validated():
+    with pytest.raises(ValueError, match='fused_action_expert'):
+        EngineConfig(fused_action_expert='yes')
+    with pytest.raises(ValueError, match='kv_cache'):
+        EngineConfig(fused_action_expert='on', kv_cache=False)
+
+
+def test_fused_action_expert_on_where_it_cannot_serve_fails_naming_why():
+    with pytest.raises(ValueError, match='fused_action_expert=on.*(CUDA|triton)'):
+        PolicyEngine(EngineConfig(model='tiny', fused_action_expert='on'))
+
+
+def test_fused_action_expert_auto_falls_back_to_the_blocks_on_cpu():
+    e = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)))
+    assert e._fused_blocks is None and e.mode['fused_action_expert'] == 'off'
 
 
 def test_close_releases_the_model():

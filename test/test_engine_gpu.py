@@ -38,6 +38,22 @@ def graphed() -> PolicyEngine:
     return e
 
 
+def test_default_engine_runs_the_fused_action_expert_kernel(graphed):
+    assert graphed.mode['fused_action_expert'] == 'on'
+
+
+def test_fused_action_expert_matches_the_blocks_within_bf16_noise(graphed):
+    blocks = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16',
+                                       compile=True, cuda_graphs=True, buckets=BUCKETS[:1],
+                                       instruction=INSTRUCTION, fused_action_expert='off'),
+                          model=graphed.model)
+    blocks.warmup()
+    assert blocks.mode['fused_action_expert'] == 'off'
+    a = graphed.predict(observation(), noise=noise()).actions_normalized
+    b = blocks.predict(observation(), noise=noise()).actions_normalized
+    assert np.abs(a - b).max() < 0.05     # bf16 rounding through 4 blocks x 10 steps
+
+
 def test_every_bucket_is_captured_at_warmup(graphed):
     assert sorted(graphed._runners) == list(BUCKETS)
     assert all(r.graph is not None for r in graphed._runners.values())

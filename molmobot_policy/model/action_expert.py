@@ -286,11 +286,18 @@ class ActionExpert(nn.Module):
         return x
 
     def velocity_from_conditioning(self, x_t: torch.Tensor, cond: TimeConditioning,
-                                   ctx: ActionExpertContext) -> torch.Tensor:
-        """x_t (B, H, A) -> velocity (B, H, A) in the parameter dtype."""
+                                   ctx: ActionExpertContext, blocks_fn=None) -> torch.Tensor:
+        """x_t (B, H, A) -> velocity (B, H, A) in the parameter dtype.
+
+        blocks_fn: optional replacement for the loop over the blocks, called as
+            `blocks_fn(x, cond.blocks, ctx) -> x` with x (B, T, hidden) (the runtime's fused
+            kernel, `molmobot_policy.runtime.fused_dit.FusedDiTStep`); None runs the blocks."""
         x = self.embed_actions(x_t, ctx.state_tokens)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias)
+        if blocks_fn is not None:
+            x = blocks_fn(x, cond.blocks, ctx)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias)
         x = x[:, x.shape[1] - x_t.shape[1]:]
         return self.final_layer(x, cond.final)
 

@@ -186,6 +186,10 @@ PARAMETERS = {
     'vit_fp32_attention': (False, _descriptor(
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.6x faster "
         'ViT on an H200)', _B)),
+    'fused_action_expert': ('auto', _descriptor(
+        "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bf16)", _S,
+        constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' "
+                    "(required, error otherwise), 'off'")),
     'kv_cache': (True, _descriptor(
         "compute the action expert's cross-attention K/V once per query (false: every flow "
         'step, for comparison only)', _B)),
@@ -221,8 +225,8 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'kv_cache', 'instruction', 'gripper_index', 'gripper_threshold',
-                     'gripper_open', 'gripper_closed')
+                     'fused_action_expert', 'kv_cache', 'instruction', 'gripper_index',
+                     'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
 def read_model_config(engine_config: dict):

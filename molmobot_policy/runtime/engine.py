@@ -35,6 +35,7 @@ log = logging.getLogger('molmobot_policy.engine')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
 OVERLONG_MODES = ('error', 'truncate')
+FUSED_AE_MODES = ('auto', 'on', 'off')
 
 
 @dataclass
@@ -70,6 +71,12 @@ class EngineConfig:
             (q, k, v cast to float32 before attention). False (default) runs the fused bf16
             kernel, which also accumulates in float32 but rounds the probabilities to bf16;
             2.6x faster ViT on an H200. No effect when dtype is float32.
+        fused_action_expert: run each flow step's DiT blocks as one persistent Triton kernel
+            (`runtime.fused_dit`; CUDA, bf16/fp16, with kv_cache): 'auto' (default) uses it
+            when the engine compiles or captures graphs and the kernel can serve the model,
+            else the compiled blocks, with a log line saying why; 'on' requires it (error
+            otherwise); 'off' never. Same math within bf16 rounding (closer to float32 than
+            the blocks: the residual stream stays float32 in the kernel).
         instruction: default instruction, used when an observation carries none.
         gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
             of one action dimension (index -1 = off), in robot units.
@@ -92,6 +99,7 @@ class EngineConfig:
     overlong: str = 'error'
     quantize: str = 'none'
     vit_fp32_attention: bool = False
+    fused_action_expert: str = 'auto'
     instruction: str = ''
     gripper_index: int = -1
     gripper_threshold: float = 0.0
@@ -111,6 +119,12 @@ class EngineConfig:
         if self.gripper_index < -1:
             raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
                              f'{self.gripper_index}')
+        if self.fused_action_expert not in FUSED_AE_MODES:
+            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
+                             f'{self.fused_action_expert!r}')
+        if self.fused_action_expert == 'on' and not self.kv_cache:
+            raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads the '
+                             'cached cross-attention K/V)')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
@@ -220,6 +234,7 @@ class PolicyEngine:
             wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
             self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
         self._conditioning = self._precompute_conditioning()
+        self._fused_blocks = self._make_fused_blocks()
         self._text_cache: dict[str, TextInputs] = {}
         self._runners: dict[int, StaticRunner] = {}
         self._query_fn = self._make_query_fn()
@@ -260,12 +275,30 @@ class PolicyEngine:
                                                     dtype=torch.float32))
                     for i in range(steps)]
 
+    def _make_fused_blocks(self):
+        """The fused DiT kernel (`runtime.fused_dit.FusedDiTStep`) or None, per
+        `fused_action_expert`. Raises ValueError when 'on' and the kernel cannot serve."""
+        c = self.config
+        if c.fused_action_expert == 'off' or not c.kv_cache:
+            return None
+        if c.fused_action_expert == 'auto' and not (c.compile or c.cuda_graphs):
+            return None
+        from molmobot_policy.runtime import fused_dit
+        reason = fused_dit.unavailable_reason(self.model.action_expert, self.device, self.dtype)
+        if reason:
+            if c.fused_action_expert == 'on':
+                raise ValueError(f'fused_action_expert=on, but the kernel cannot serve: {reason}')
+            log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
+            return None
+        return fused_dit.FusedDiTStep(self.model.action_expert)
+
     def _make_query_fn(self) -> Callable[..., torch.Tensor]:
         """The device part of one query as one function of tensors (compiled if asked)."""
         model, ae = self.model, self.model.action_expert
         layer_ids = list(self.model_config.ae_layer_ids)
         conditioning, steps = self._conditioning, self.flow_steps
         kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
+        blocks_fn = self._fused_blocks
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
@@ -277,7 +310,8 @@ class PolicyEngine:
             if kv_cache:
                 ctx = ae.prepare_context(hidden, attention_mask, states)
                 for i in range(steps):
-                    x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx)
+                    x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx,
+                                                               blocks_fn)
             else:
                 for i in range(steps):
                     t = torch.full((x.shape[0],), i / steps, device=x.device)
@@ -511,6 +545,7 @@ class PolicyEngine:
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
                 'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
+                'fused_action_expert': 'on' if self._fused_blocks is not None else 'off',
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
 
@@ -519,6 +554,7 @@ class PolicyEngine:
         self._runners.clear()
         self._text_cache.clear()
         self._conditioning = []
+        self._fused_blocks = None
         self._query_fn = None
         self.model = None
         if self.device.type == 'cuda':

@@ -1,0 +1,168 @@
+"""The flow loop (10 Euler steps x 36 DiT blocks): compiled torch blocks vs the fused kernel.
+
+Builds the full-size action expert alone (36 blocks x 768, 8 heads, MLP 3072, cross-attention
+to an aligned 1680-token context: a 1664-token bucket + 1 state token, padded to 16; random
+weights N(0, 0.02), bf16), precomputes the context and the 10 steps' conditioning as the
+engine does, and replays the 10-step loop as one CUDA graph in these variants:
+
+- `torch`: the blocks compiled as the engine compiles them (what shipped before the kernel);
+- `persistent`: `molmobot_policy.runtime.fused_dit.FusedDiTStep`, one launch per flow step
+  with grid barriers between phases, default tiles, then a few other tile shapes;
+- `phased`: the same kernel launched once per phase (8 x 36 launches per step, no barrier);
+  then each phase alone (36 launches of it captured as a graph), in us per block.
+
+Each row: median / p99 ms over `--iters` replays, warm-up + capture seconds, max |difference|
+of the loop output from `torch` and from a float32 eager reference (the same bf16 weights
+upcast), both relative to the reference's max |value|, and whether two replays gave the same
+bits. `python3 benchmarks/benchmark_fused_dit.py --out $OUT/fused_dit.json` (CUDA only).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+sys.path.insert(0, BENCH_DIR)
+
+from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+from molmobot_policy.runtime import fused_dit  # noqa: E402
+from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
+from profile_stages import time_runner  # noqa: E402
+
+TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
+    'persistent': {},
+    'persistent adaLN BK=512': {'BKA': 512},
+    'persistent BK=128': {'BK': 128},
+    'persistent 8 warps': {'num_warps': 8},
+}
+
+
+def build(context: int, dev: torch.device):
+    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
+    torch.manual_seed(0)
+    ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
+                             cfg.action_horizon, cfg.states_mode)
+    with torch.no_grad():
+        for p in ae.parameters():
+            p.normal_(0.0, 0.02)
+    ae = ae.to(dev, torch.bfloat16).eval()
+    hidden = torch.randn(len(ae.blocks), 1, context, cfg.llm.d_model, device=dev,
+                         dtype=torch.bfloat16)
+    mask = torch.ones(1, context, dtype=torch.bool, device=dev)
+    mask[:, -25:] = False                           # some padding, as in a bucket
+    states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev)
+    noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, device=dev)
+    return ae, hidden, mask, states, noise
+
+
+def flow_loop(ae, ctx, cond, steps, blocks_fn=None):
+    def loop_fn(noise):
+        x = noise
+        for i in range(steps):
+            x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], ctx, blocks_fn)
+        return x.float()
+    return loop_fn
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
+    parser.add_argument('--iters', type=int, default=100)
+    parser.add_argument('--out', default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print('needs a CUDA device')
+        return 2
+    dev = torch.device('cuda')
+    steps = 10
+    rows = []
+    with torch.inference_mode():
+        ae, hidden, mask, states, noise = build(args.context, dev)
+        ae32 = copy.deepcopy(ae).float()
+        ctx32 = ae32.prepare_context(hidden.float(), mask, states)
+        cond32 = [ae32.time_conditioning(torch.full((1,), i / steps, device=dev))
+                  for i in range(steps)]
+        reference = flow_loop(ae32, ctx32, cond32, steps)(noise)
+        del ae32, ctx32, cond32
+        scale = float(reference.abs().max())
+        ctx = ae.prepare_context(hidden, mask, states.to(torch.bfloat16))
+        cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
+                for i in range(steps)]
+
+        def measure(label, blocks_fn):
+            t0 = time.perf_counter()
+            runner = StaticRunner(flow_loop(ae, ctx, cond, steps, blocks_fn), {'noise': noise},
+                                  cuda_graph=True)
+            warm = time.perf_counter() - t0
+            a, b = runner.run(), runner.run()
+            timing = time_runner(runner, args.iters)
+            row = {'variant': label, 'median_ms': timing['median'], 'p99_ms': timing['p99'],
+                   'warmup_s': warm, 'bitwise_stable': bool(torch.equal(a, b)),
+                   'rel_diff_vs_fp32': float((a - reference).abs().max()) / scale}
+            return row, a
+
+        fused_dit.StackedBlockWeights.from_blocks_(ae.blocks)   # before compiling the blocks
+        for block in ae.blocks:
+            block.compile(dynamic=False, fullgraph=True)
+        row, torch_out = measure('torch (compiled blocks)', None)
+        rows.append(row)
+        print(row, flush=True)
+        variants = [(label, dict(tiles=t)) for label, t in TILE_VARIANTS.items()]
+        variants.append(('phased', dict(phased=True)))
+        for label, kwargs in variants:
+            try:
+                row, out = measure(label, fused_dit.FusedDiTStep(ae, **kwargs))
+                row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
+            except Exception as exc:  # noqa: BLE001 - a tile shape may not compile
+                row = {'variant': label, 'error': f'{type(exc).__name__}: {str(exc)[:400]}'}
+            rows.append(row)
+            print(row, flush=True)
+        # each phase alone: one step's 36 launches of it as a graph (phased mode)
+        phase_rows = []
+        x_tokens = ae.embed_actions(noise, ctx.state_tokens)
+        for p in range(fused_dit.N_PHASES):
+            try:
+                step = fused_dit.FusedDiTStep(ae, phased=True, phases=(p,))
+                runner = StaticRunner(lambda x: step(x, cond[0].blocks, ctx), {'x': x_tokens},
+                                      cuda_graph=True)
+                timing = time_runner(runner, args.iters)
+                us = 1e3 * timing['median'] / len(ae.blocks)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f'phase {p}: {type(exc).__name__}: {str(exc)[:300]}')
+                us = float('nan')
+            phase_rows.append({'phase': p, 'us_per_block': us})
+            print(phase_rows[-1], flush=True)
+    base = rows[0]['median_ms']
+    print(f'\nflow loop: {steps} steps x {len(ae.blocks)} blocks x {ae.cfg.hidden_size}, context '
+          f'{ctx.keys.shape[-2]} tokens, bf16; {torch.cuda.get_device_name()}')
+    print(f"{'variant':<28}{'median ms':>10}{'p99 ms':>9}{'x torch':>8}{'vs fp32':>10}"
+          f"{'vs torch':>10}{'stable':>8}")
+    for r in rows:
+        if 'error' in r:
+            print(f"{r['variant']:<28} failed: {r['error']}")
+            continue
+        print(f"{r['variant']:<28}{r['median_ms']:>10.2f}{r['p99_ms']:>9.2f}"
+              f"{base / r['median_ms']:>8.2f}{r['rel_diff_vs_fp32']:>10.2e}"
+              f"{r.get('rel_diff_vs_torch', 0.0):>10.2e}{str(r['bitwise_stable']):>8}")
+    print('phased launches, us per block (incl. the launch gap): ' + ', '.join(
+        f"p{r['phase']} {r['us_per_block']:.1f}" for r in phase_rows))
+    if args.out:
+        with open(args.out, 'w') as f:
+            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
+                       'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
+                       'triton': getattr(fused_dit.triton, '__version__', None), 'rows': rows,
+                       'phases': phase_rows},
+                      f, indent=1)
+    return 0 if all('error' not in r for r in rows) else 1
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

@@ -1,0 +1,475 @@
+"""One persistent Triton kernel per flow step for the action expert's DiT blocks (CUDA only).
+
+Why: the 10-step x 36-block flow loop is bound by kernel latency, not by arithmetic or memory.
+Each block-step reads ~22 MB (16.5 MB of weights, 5.2 MB of cross-attention K/V), ~5 us at
+HBM speed, but the compiled block runs it as ~25 kernels of ~3 us each (~73 us; issue 4 and
+benchmarks/RESULTS.md "Where the time goes"). Here one launch runs every block of one flow
+step with all SMs: the 16 action tokens stay in a small float32 scratch (in L2), each phase
+of a block (below) is split over the whole grid, and the phases are separated by a grid-wide
+barrier (an atomic counter) instead of a kernel boundary.
+
+Phases of one block (B = 1, T <= 32 tokens; `DiTBlock.forward` is the reference):
+  0. self q/kv = (LN1(x) * (1 + scale1) + shift1) @ [Wq; Wkv]^T + b       (3D columns)
+  1. x += gate1 * (softmax(q k^T / sqrt(hd)) v @ Wo^T + bo)                (per output tile,
+     the 16 x 16 attention of every head recomputed by each tile: no extra barrier)
+  2. q2 = (LN2(x) * (1 + scale2) + shift2) @ Wq2^T + bq2, times 1/sqrt(hd)
+  3. cross-attention partials per (head, 128-key chunk): running max, sum, P V (flash-decoding)
+  4. combine the chunks per (head, row) into the attention output
+  5. x += gate2 * (o @ Wo2^T + bo2)
+  6. a = GELU(LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                  (exact erf GELU)
+  7. x += gate3 * (a @ W2^T + b2)
+The residual stream stays float32 inside the kernel (the reference rounds it to the parameter
+dtype after every op); matmuls take parameter-dtype operands with float32 accumulation, as
+cuBLAS does. Agreement with the reference is within bf16 rounding (tested on the GPU).
+
+Safety of the grid barrier: the grid is exactly one program per SM, launched alone on the
+stream, so every program is resident (the barrier would hang otherwise). Where that cannot be
+guaranteed (e.g. MPS with an SM limit) set the engine's `fused_action_expert: off`.
+
+`phased=True` launches each phase as its own kernel (no barrier): slower, but it runs in
+Triton's CPU interpreter (TRITON_INTERPRET=1) and isolates a barrier fault from a math fault.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:   # triton ships with CUDA builds of torch; CPU builds run the torch path
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover - exercised on CPU-only installs
+    triton = None
+    tl = None
+
+N_PHASES = 9
+ROWS = 16              # token rows per tile (tl.dot needs >= 16); T <= ROWS * 2 supported
+KEY_CHUNK = 128        # cross-attention keys per program in phase 3
+TILE_N = 16            # output columns per program for D-wide outputs (phases 1, 2, 5, 7)
+TILE_N_WIDE = 32       # output columns per program for the q/kv and fc1 GEMMs (phases 0, 6)
+TILE_K = 256           # reduction chunk of the GEMMs (a pipelined loop)
+TILE_K_ADALN = 256     # reduction chunk of the LayerNorm-fed GEMMs (phases 0, 3, 7)
+
+
+def unavailable_reason(ae, device: torch.device, dtype: torch.dtype, batch: int = 1) -> str:
+    """'' when the fused kernel can serve this action expert, else why not (for a log line).
+
+    ae: `ActionExpert`; device, dtype: serving device and parameter dtype; batch: queries per
+    call (the engine serves 1).
+    """
+    if triton is None:
+        return 'triton is not installed'
+    if device.type != 'cuda':
+        return f'needs a CUDA device, serving on {device}'
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f'needs bfloat16 or float16 weights, got {dtype}'
+    if batch != 1:
+        return f'serves one query at a time, got batch {batch}'
+    cfg = ae.cfg
+    if cfg.hidden_size % cfg.num_heads:
+        return f'hidden_size {cfg.hidden_size} is not a multiple of num_heads {cfg.num_heads}'
+    tokens = ae.horizon + (1 if ae.states_mode == 'self_attn' else 0)
+    if tokens > 2 * ROWS:
+        return f'{tokens} action tokens; the kernel handles at most {2 * ROWS}'
+    return ''
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class StackedBlockWeights:
+    """Every DiT block's weights as one (n_blocks, ...) tensor per kind, parameter dtype.
+
+    The blocks' own parameters are re-pointed to views of these (no second copy), so the torch
+    path and the kernel read the same memory. Shapes: wq1, wo1, wq2, wo2 (NB, D, D); wkv1
+    (NB, 2D, D); w1 (NB, F, D); w2 (NB, D, F); biases (NB, N).
+    """
+
+    wq1: torch.Tensor
+    bq1: torch.Tensor
+    wkv1: torch.Tensor
+    bkv1: torch.Tensor
+    wo1: torch.Tensor
+    bo1: torch.Tensor
+    wq2: torch.Tensor
+    bq2: torch.Tensor
+    wo2: torch.Tensor
+    bo2: torch.Tensor
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+
+    @classmethod
+    def from_blocks_(cls, blocks) -> 'StackedBlockWeights':
+        """Stacks the blocks' Linear weights and re-points each block to its slice (in place).
+        Idempotent: a second call on the same blocks returns the same stacked tensors."""
+        cached = getattr(blocks, '_molmobot_stacked', None)
+        if cached is not None and all(
+                getattr(get(b), kind).data_ptr() == getattr(cached, prefix + name)[i].data_ptr()
+                for name, get in _LINEARS.items() for prefix, kind in _KINDS
+                for i, b in enumerate(blocks)):
+            return cached
+        fields = {}
+        with torch.no_grad():
+            for name, get in _LINEARS.items():
+                for prefix, kind in _KINDS:
+                    params = [getattr(get(b), kind) for b in blocks]
+                    stacked = torch.stack([p.detach() for p in params]).contiguous()
+                    for i, p in enumerate(params):
+                        p.data = stacked[i]
+                    fields[prefix + name] = stacked
+        stacked = cls(**fields)
+        blocks._molmobot_stacked = stacked
+        return stacked
+
+
+_LINEARS = {'q1': lambda b: b.attn1.q_proj, 'kv1': lambda b: b.attn1.kv_proj,
+            'o1': lambda b: b.attn1.proj, 'q2': lambda b: b.attn2.q_proj,
+            'o2': lambda b: b.attn2.proj, '1': lambda b: b.mlp.fc1, '2': lambda b: b.mlp.fc2}
+_KINDS = (('w', 'weight'), ('b', 'bias'))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grid_sync(counter_ptr, target):
+        """Grid-wide barrier: every program has arrived `target` times in total."""
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem='release', scope='gpu')
+        seen = tl.atomic_add(counter_ptr, 0, sem='acquire', scope='gpu')
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem='acquire', scope='gpu')
+        tl.debug_barrier()
+
+    @triton.jit
+    def _row_stats(st_ptr, eps, D: tl.constexpr, NTP: tl.constexpr, BT: tl.constexpr):
+        """Mean and 1/std of the rows of x from the per-tile row sums and sums of squares that
+        the last residual update wrote (st: (2, NTP, BT) float32, unused tiles zero); one L2
+        round instead of a pass over x. Summed in a fixed order (bitwise reproducible);
+        variance as E[x^2] - mean^2 in float32 (the residual stream's |mean| / std is small)."""
+        offs = tl.arange(0, NTP)[:, None] * BT + tl.arange(0, BT)[None, :]
+        total = tl.sum(tl.load(st_ptr + offs, cache_modifier='.cg'), axis=0)
+        total_sq = tl.sum(tl.load(st_ptr + NTP * BT + offs, cache_modifier='.cg'), axis=0)
+        mean = total / D
+        var = tl.maximum(total_sq / D - mean * mean, 0.0)
+        return mean, 1.0 / tl.sqrt(var + eps)
+
+    @triton.jit
+    def _adaln_linear(x_ptr, st_ptr, shift_ptr, scale_ptr, w_ptr, n0, n_rows, T, eps,
+                      D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      NTP: tl.constexpr):
+        """(LN(x) * (1 + scale) + shift) @ W[n0:n0+BN]^T -> float32 (BT, BN); x (T, D) float32,
+        W (n_rows, D) in the parameter dtype."""
+        dtype = w_ptr.dtype.element_ty
+        mean, rstd = _row_stats(st_ptr, eps, D, NTP, BT)
+        rows = tl.arange(0, BT)
+        ks = tl.arange(0, BK)
+        ns = n0 + tl.arange(0, BN)
+        acc = tl.zeros((BT, BN), tl.float32)
+        for k in range(0, D, BK):
+            kk = k + ks
+            km = kk < D
+            m = (rows[:, None] < T) & km[None, :]
+            xk = tl.load(x_ptr + rows[:, None] * D + kk[None, :], mask=m, other=0.0,
+                         cache_modifier='.cg')
+            sh = tl.load(shift_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            sc = tl.load(scale_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            h = (xk - mean[:, None]) * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
+            h = tl.where(m, h, 0.0).to(dtype)
+            w = tl.load(w_ptr + ns[:, None] * D + kk[None, :],
+                        mask=(ns[:, None] < n_rows) & km[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
+    def _linear(a_ptr, w_ptr, n0, n_rows, T, K: tl.constexpr, BT: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+        """a (T, K) @ W[n0:n0+BN]^T -> float32 (BT, BN); a in scratch, W (n_rows, K); the K
+        loop software-pipelined STAGES deep."""
+        rows = tl.arange(0, BT)
+        ks = tl.arange(0, BK)
+        ns = n0 + tl.arange(0, BN)
+        acc = tl.zeros((BT, BN), tl.float32)
+        for k in tl.range(0, K, BK, num_stages=STAGES):
+            kk = k + ks
+            km = kk < K
+            a = tl.load(a_ptr + rows[:, None] * K + kk[None, :],
+                        mask=(rows[:, None] < T) & km[None, :], other=0.0, cache_modifier='.cg')
+            w = tl.load(w_ptr + ns[:, None] * K + kk[None, :],
+                        mask=(ns[:, None] < n_rows) & km[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
+    def _gated_residual(x_ptr, st_ptr, acc, bias_ptr, gate_ptr, n0, T, D: tl.constexpr,
+                        BT: tl.constexpr, BN: tl.constexpr, NTP: tl.constexpr):
+        """x[:, n0:n0+BN] += gate * (acc + bias), float32 in place; writes the tile's row sums
+        and sums of squares of the new x to st[:, n0 // BN] (see `_row_stats`)."""
+        rows = tl.arange(0, BT)
+        ns = n0 + tl.arange(0, BN)
+        nm = ns < D
+        m = (rows[:, None] < T) & nm[None, :]
+        b = tl.load(bias_ptr + ns, mask=nm, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + ns, mask=nm, other=0.0).to(tl.float32)
+        ptrs = x_ptr + rows[:, None] * D + ns[None, :]
+        x = tl.load(ptrs, mask=m, other=0.0, cache_modifier='.cg')
+        x = tl.where(m, x + g[None, :] * (acc + b[None, :]), 0.0)
+        tl.store(ptrs, x, mask=m)
+        tile = n0 // BN
+        tl.store(st_ptr + tile * BT + rows, tl.sum(x, axis=1))
+        tl.store(st_ptr + (NTP + tile) * BT + rows, tl.sum(x * x, axis=1))
+
+    @triton.jit
+    def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, mod_ptr,
+               wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
+               k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
+               act_ptr, st_ptr, T, S, NC, eps, sm_scale,
+               D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+               F: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NCP: tl.constexpr,
+               BN: tl.constexpr, BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
+               NTP: tl.constexpr, S2: tl.constexpr):
+        """Phase p of block `blk` (see the module docstring), work split over the grid."""
+        dtype = wq1.dtype.element_ty
+        mod = mod_ptr + blk * 9 * D      # shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
+        rows = tl.arange(0, BT)
+        if p == 0:      # self-attention q | k | v for every head
+            q_tiles = (D + BNW - 1) // BNW
+            n_tiles = q_tiles + (2 * D + BNW - 1) // BNW
+            ns = tl.arange(0, BNW)
+            for t in range(pid, n_tiles, n_progs):
+                if t < q_tiles:
+                    n0 = t * BNW
+                    acc = _adaln_linear(x_ptr, st_ptr, mod, mod + D, wq1 + blk * D * D, n0, D, T,
+                                        eps, D, BT, BNW, BKA, NTP)
+                    b = tl.load(bq1 + blk * D + n0 + ns, mask=n0 + ns < D, other=0.0)
+                    col0 = n0
+                    lim = D - n0
+                else:
+                    n0 = (t - q_tiles) * BNW
+                    acc = _adaln_linear(x_ptr, st_ptr, mod, mod + D, wkv1 + blk * 2 * D * D, n0,
+                                        2 * D, T, eps, D, BT, BNW, BKA, NTP)
+                    b = tl.load(bkv1 + blk * 2 * D + n0 + ns, mask=n0 + ns < 2 * D, other=0.0)
+                    col0 = D + n0
+                    lim = 2 * D - n0
+                y = (acc + b.to(tl.float32)[None, :]).to(dtype)
+                tl.store(qkv_ptr + rows[:, None] * (3 * D) + col0 + ns[None, :], y,
+                         mask=(rows[:, None] < T) & (ns[None, :] < lim))
+        elif p == 1:    # self-attention, one head per program -> o (BT, D)
+            ds = tl.arange(0, HDP)
+            keys = tl.arange(0, BT)
+            for hh in range(pid, H, n_progs):
+                qm = (rows[:, None] < T) & (ds[None, :] < HD)
+                base = qkv_ptr + rows[:, None] * (3 * D) + hh * HD + ds[None, :]
+                q = tl.load(base, mask=qm, other=0.0, cache_modifier='.cg')
+                k = tl.load(base + D, mask=qm, other=0.0, cache_modifier='.cg')
+                v = tl.load(base + 2 * D, mask=qm, other=0.0, cache_modifier='.cg')
+                s = tl.dot(q, tl.trans(k)) * sm_scale
+                s = tl.where(keys[None, :] < T, s, float('-inf'))
+                e = tl.exp(s - tl.max(s, axis=1)[:, None])
+                prob = (e / tl.sum(e, axis=1)[:, None]).to(dtype)
+                o = tl.dot(prob, v).to(dtype)
+                tl.store(o2_ptr + rows[:, None] * D + hh * HD + ds[None, :], o, mask=qm)
+        elif p == 2:    # self-attention proj + gated residual
+            n_tiles = (D + BN - 1) // BN
+            for t in range(pid, n_tiles, n_progs):
+                n0 = t * BN
+                acc = _linear(o2_ptr, wo1 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
+                _gated_residual(x_ptr, st_ptr, acc, bo1 + blk * D, mod + 2 * D, n0, T, D, BT,
+                                BN, NTP)
+        elif p == 3:    # cross-attention queries, pre-scaled
+            n_tiles = (D + BN - 1) // BN
+            for t in range(pid, n_tiles, n_progs):
+                n0 = t * BN
+                ns = n0 + tl.arange(0, BN)
+                acc = _adaln_linear(x_ptr, st_ptr, mod + 3 * D, mod + 4 * D, wq2 + blk * D * D, n0,
+                                    D, T, eps, D, BT, BN, BKA, NTP)
+                b = tl.load(bq2 + blk * D + ns, mask=ns < D, other=0.0).to(tl.float32)
+                y = ((acc + b[None, :]) * sm_scale).to(dtype)
+                tl.store(q2_ptr + rows[:, None] * D + ns[None, :], y,
+                         mask=(rows[:, None] < T) & (ns[None, :] < D))
+        elif p == 4:    # cross-attention partials, one (head, key chunk) per program
+            ds = tl.arange(0, HDP)
+            keys = tl.arange(0, BS)
+            for item in range(pid, H * NC, n_progs):
+                h = item // NC
+                c = item % NC
+                qm = (rows[:, None] < T) & (ds[None, :] < HD)
+                q = tl.load(q2_ptr + rows[:, None] * D + h * HD + ds[None, :], mask=qm,
+                            other=0.0, cache_modifier='.cg')
+                ss = c * BS + keys
+                km = (ss[:, None] < S) & (ds[None, :] < HD)
+                kv_off = ((blk * H + h) * S + ss[:, None]) * HD + ds[None, :]
+                kt = tl.load(k2_ptr + kv_off, mask=km, other=0.0)
+                vt = tl.load(v2_ptr + kv_off, mask=km, other=0.0)
+                bias = tl.load(bias_ptr + ss, mask=ss < S, other=0.0).to(tl.float32)
+                s = tl.dot(q, tl.trans(kt)) + bias[None, :]
+                s = tl.where(ss[None, :] < S, s, float('-inf'))
+                mx = tl.max(s, axis=1)
+                e = tl.exp(s - mx[:, None])
+                lsum = tl.sum(e, axis=1)
+                o = tl.dot(e.to(dtype), vt)
+                slot = (h * NCP + c) * BT
+                tl.store(pm_ptr + slot + rows, mx)
+                tl.store(pl_ptr + slot + rows, lsum)
+                tl.store(po_ptr + (slot + rows[:, None]) * HDP + ds[None, :], o)
+        elif p == 5:    # combine the key chunks, one (head, row) per program
+            ds = tl.arange(0, HDP)
+            cs = tl.arange(0, NCP)
+            for item in range(pid, H * T, n_progs):
+                h = item // T
+                r = item % T
+                slots = (h * NCP + cs) * BT + r
+                cm = cs < NC
+                mx = tl.load(pm_ptr + slots, mask=cm, other=float('-inf'), cache_modifier='.cg')
+                lsum = tl.load(pl_ptr + slots, mask=cm, other=0.0, cache_modifier='.cg')
+                o = tl.load(po_ptr + slots[:, None] * HDP + ds[None, :], mask=cm[:, None],
+                            other=0.0, cache_modifier='.cg')
+                wgt = tl.where(cm, tl.exp(mx - tl.max(mx, axis=0)), 0.0)
+                out = tl.sum(o * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
+                tl.store(o2_ptr + r * D + h * HD + ds, out.to(dtype), mask=ds < HD)
+        elif p == 6:    # cross-attention proj + gated residual
+            n_tiles = (D + BN - 1) // BN
+            for t in range(pid, n_tiles, n_progs):
+                n0 = t * BN
+                acc = _linear(o2_ptr, wo2 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
+                _gated_residual(x_ptr, st_ptr, acc, bo2 + blk * D, mod + 5 * D, n0, T, D, BT,
+                                BN, NTP)
+        elif p == 7:    # MLP fc1 + exact GELU
+            n_tiles = (F + BNW - 1) // BNW
+            for t in range(pid, n_tiles, n_progs):
+                n0 = t * BNW
+                ns = n0 + tl.arange(0, BNW)
+                acc = _adaln_linear(x_ptr, st_ptr, mod + 6 * D, mod + 7 * D, w1 + blk * F * D, n0,
+                                    F, T, eps, D, BT, BNW, BKA, NTP)
+                b = tl.load(b1 + blk * F + ns, mask=ns < F, other=0.0).to(tl.float32)
+                y = acc + b[None, :]
+                y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+                tl.store(act_ptr + rows[:, None] * F + ns[None, :], y.to(dtype),
+                         mask=(rows[:, None] < T) & (ns[None, :] < F))
+        else:           # MLP fc2 + gated residual
+            n_tiles = (D + BN - 1) // BN
+            for t in range(pid, n_tiles, n_progs):
+                n0 = t * BN
+                acc = _linear(act_ptr, w2 + blk * D * F, n0, D, T, F, BT, BN, BK, S2)
+                _gated_residual(x_ptr, st_ptr, acc, b2 + blk * D, mod + 8 * D, n0, T, D, BT,
+                                BN, NTP)
+
+    @triton.jit
+    def _dit_step_kernel(x_ptr, mod_ptr,
+                         wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
+                         k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr,
+                         o2_ptr, act_ptr, st_ptr, counter_ptr, n_blocks, blk_only, T, S, NC,
+                         eps, sm_scale,
+                         D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
+                         HDP: tl.constexpr, F: tl.constexpr, BT: tl.constexpr,
+                         BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
+                         BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
+                         NTP: tl.constexpr, S2: tl.constexpr, PHASE: tl.constexpr):
+        """PHASE = -1: every phase of every block, grid barriers between them (persistent);
+        PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase)."""
+        pid = tl.program_id(0)
+        n_progs = tl.num_programs(0)
+        if PHASE >= 0:
+            _phase(PHASE, blk_only, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
+                   bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr, qkv_ptr,
+                   q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, T, S, NC, eps,
+                   sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2)
+        else:
+            arrivals = 0
+            for blk in range(n_blocks):
+                for p in tl.static_range(9):
+                    _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
+                           bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr,
+                           qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, T,
+                           S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK,
+                           BKA, NTP, S2)
+                    arrivals += n_progs
+                    _grid_sync(counter_ptr, arrivals)
+
+
+class FusedDiTStep:
+    """Runs every DiT block of one flow step as one persistent kernel launch.
+
+    Args:
+        ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
+        phased: one launch per phase instead of grid barriers (interpreter / debugging).
+        tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages
+            (benchmarks).
+        phases: with `phased`, run only these phases (benchmarks time them one by one).
+
+    Call: `(x, mod, ctx) -> x` with x (1, T, D) in the parameter dtype (the action tokens
+    after `embed_actions`), mod (n_blocks, 9, 1, D) one flow step's block modulation,
+    ctx an `ActionExpertContext`; returns (1, T, D) in the parameter dtype, equal to running
+    the blocks within bf16 rounding. Allocates its scratch per call (static memory inside a
+    CUDA graph capture). Raises ValueError on other shapes.
+    """
+
+    def __init__(self, ae, phased: bool = False, tiles: dict | None = None,
+                 phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
+        cfg = ae.cfg
+        self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
+                          BS=KEY_CHUNK, S2=4, num_warps=4, num_stages=4)
+        self.tiles.update(tiles or {})
+        self.d, self.h = cfg.hidden_size, cfg.num_heads
+        self.hd = self.d // self.h
+        self.f = cfg.mlp_hidden
+        self.n_blocks = len(ae.blocks)
+        self.w = StackedBlockWeights.from_blocks_(ae.blocks)
+        self.phased, self.phases = phased, tuple(phases)
+        self.sm_scale = self.hd ** -0.5
+        self.eps = ae.blocks[0].norm1.eps
+
+    def __call__(self, x: torch.Tensor, mod: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, d = x.shape
+        if b != 1 or d != self.d or t > 2 * ROWS:
+            raise ValueError(f'x must be (1, T <= {2 * ROWS}, {self.d}), got {tuple(x.shape)}')
+        nb, h, hd = self.n_blocks, self.h, self.hd
+        keys, values = ctx.keys, ctx.values
+        s = keys.shape[-2]
+        if keys.shape != (nb, 1, h, s, hd) or mod.shape != (nb, 9, 1, d):
+            raise ValueError(f'keys must be ({nb}, 1, {h}, S, {hd}) and mod ({nb}, 9, 1, {d}); '
+                             f'got {tuple(keys.shape)} and {tuple(mod.shape)}')
+        dev, dtype = x.device, x.dtype
+        bt = ROWS if t <= ROWS else 2 * ROWS
+        hdp = max(16, _next_pow2(hd))
+        tiles = dict(self.tiles)
+        nc = math.ceil(s / tiles['BS'])
+        ncp = max(16, _next_pow2(nc))
+        xs = torch.zeros((bt, d), device=dev, dtype=torch.float32)
+        xs[:t] = x[0].float()
+        qkv = torch.empty((bt, 3 * d), device=dev, dtype=dtype)
+        q2 = torch.empty((bt, d), device=dev, dtype=dtype)
+        po = torch.empty((h, ncp, bt, hdp), device=dev, dtype=torch.float32)
+        pm = torch.empty((h, ncp, bt), device=dev, dtype=torch.float32)
+        pl = torch.empty((h, ncp, bt), device=dev, dtype=torch.float32)
+        o2 = torch.empty((bt, d), device=dev, dtype=dtype)
+        act = torch.empty((bt, self.f), device=dev, dtype=dtype)
+        ntp = _next_pow2(-(-d // tiles['BN']))
+        stats = torch.zeros((2, ntp, bt), device=dev, dtype=torch.float32)
+        stats[0, 0] = xs.sum(dim=1)           # the row statistics of the input x, as one tile
+        stats[1, 0] = (xs * xs).sum(dim=1)
+        counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        w = self.w
+        args = (xs, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1, w.bo1, w.wq2, w.bq2,
+                w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
+                ctx.mask_bias.reshape(-1), qkv, q2, po, pm, pl, o2, act, stats, counter)
+        tiles['BK'] = min(tiles['BK'], _next_pow2(d))
+        tiles['BKA'] = min(tiles['BKA'], _next_pow2(d))
+        meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, **tiles)
+        if self.phased:
+            bnw = tiles['BNW']
+            wide = -(-d // bnw) + -(-2 * d // bnw)
+            grid = (max(wide, -(-self.f // bnw), -(-d // tiles['BN']), h * nc, h * t),)
+            for blk in range(nb):
+                for p in self.phases:
+                    _dit_step_kernel[grid](*args, nb, blk, t, s, nc, self.eps, self.sm_scale,
+                                           PHASE=p, **meta)
+        else:
+            grid = (torch.cuda.get_device_properties(dev).multi_processor_count,)
+            _dit_step_kernel[grid](*args, nb, 0, t, s, nc, self.eps, self.sm_scale,
+                                   PHASE=-1, **meta)
+        return xs[:t].to(dtype)[None]
