@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -39,9 +40,12 @@ from profile_stages import time_runner  # noqa: E402
 
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
     'persistent': {},
-    'persistent adaLN BK=512': {'BKA': 512},
-    'persistent BK=128': {'BK': 128},
-    'persistent 8 warps': {'num_warps': 8},
+    'persistent, atomic-read barrier': {'POLL': 0},
+    'persistent BK=128': {'BK': 128, 'BKA': 128},
+    'persistent 3 stages': {'S2': 3, 'num_stages': 3},
+    'persistent 6 stages': {'S2': 6},
+    'persistent BNW=16': {'BNW': 16},
+    'barriers only (wrong output)': {'SKIP': 1},
 }
 
 
@@ -63,13 +67,19 @@ def build(context: int, dev: torch.device):
     return ae, hidden, mask, states, noise
 
 
-def flow_loop(ae, ctx, cond, steps, blocks_fn=None):
+def flow_loop(ae, ctx, cond, steps, step_fns=None):
+    """The Euler loop; step_fns: per step, the fused kernel bound to its tables (or None)."""
     def loop_fn(noise):
         x = noise
         for i in range(steps):
-            x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], ctx, blocks_fn)
+            fn = step_fns[i] if step_fns else None
+            x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], ctx, fn)
         return x.float()
     return loop_fn
+
+
+def bound_steps(step, cond):
+    return [functools.partial(step, tables=step.tables(c.blocks)) for c in cond]
 
 
 def main(argv=None) -> int:
@@ -97,9 +107,9 @@ def main(argv=None) -> int:
         cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
                 for i in range(steps)]
 
-        def measure(label, blocks_fn):
+        def measure(label, step_fns):
             t0 = time.perf_counter()
-            runner = StaticRunner(flow_loop(ae, ctx, cond, steps, blocks_fn), {'noise': noise},
+            runner = StaticRunner(flow_loop(ae, ctx, cond, steps, step_fns), {'noise': noise},
                                   cuda_graph=True)
             warm = time.perf_counter() - t0
             a, b = runner.run(), runner.run()
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
         variants.append(('phased', dict(phased=True)))
         for label, kwargs in variants:
             try:
-                row, out = measure(label, fused_dit.FusedDiTStep(ae, **kwargs))
+                row, out = measure(label, bound_steps(fused_dit.FusedDiTStep(ae, **kwargs), cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
             except Exception as exc:  # noqa: BLE001 - a tile shape may not compile
                 row = {'variant': label, 'error': f'{type(exc).__name__}: {str(exc)[:400]}'}
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
         x_tokens = ae.embed_actions(noise, ctx.state_tokens)
         for p in range(fused_dit.N_PHASES):
             try:
-                step = fused_dit.FusedDiTStep(ae, phased=True, phases=(p,))
+                step = bound_steps(fused_dit.FusedDiTStep(ae, phased=True, phases=(p,)), cond)[0]
                 runner = StaticRunner(lambda x: step(x, cond[0].blocks, ctx), {'x': x_tokens},
                                       cuda_graph=True)
                 timing = time_runner(runner, args.iters)

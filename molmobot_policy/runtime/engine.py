@@ -17,6 +17,7 @@ warm-up, never while serving.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -275,9 +276,10 @@ class PolicyEngine:
                                                     dtype=torch.float32))
                     for i in range(steps)]
 
-    def _make_fused_blocks(self):
-        """The fused DiT kernel (`runtime.fused_dit.FusedDiTStep`) or None, per
-        `fused_action_expert`. Raises ValueError when 'on' and the kernel cannot serve."""
+    def _make_fused_blocks(self) -> list | None:
+        """Per flow step, the fused DiT kernel (`runtime.fused_dit.FusedDiTStep`) bound to
+        that step's precomputed tables; None where `fused_action_expert` or the hardware says
+        the compiled blocks run instead. Raises ValueError when 'on' and it cannot serve."""
         c = self.config
         if c.fused_action_expert == 'off' or not c.kv_cache:
             return None
@@ -290,7 +292,10 @@ class PolicyEngine:
                 raise ValueError(f'fused_action_expert=on, but the kernel cannot serve: {reason}')
             log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
             return None
-        return fused_dit.FusedDiTStep(self.model.action_expert)
+        step = fused_dit.FusedDiTStep(self.model.action_expert)
+        with torch.inference_mode():
+            return [functools.partial(step, tables=step.tables(c.blocks))
+                    for c in self._conditioning]
 
     def _make_query_fn(self) -> Callable[..., torch.Tensor]:
         """The device part of one query as one function of tensors (compiled if asked)."""
@@ -298,7 +303,7 @@ class PolicyEngine:
         layer_ids = list(self.model_config.ae_layer_ids)
         conditioning, steps = self._conditioning, self.flow_steps
         kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
-        blocks_fn = self._fused_blocks
+        fused = self._fused_blocks
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
@@ -310,6 +315,7 @@ class PolicyEngine:
             if kv_cache:
                 ctx = ae.prepare_context(hidden, attention_mask, states)
                 for i in range(steps):
+                    blocks_fn = fused[i] if fused else None
                     x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx,
                                                                blocks_fn)
             else:

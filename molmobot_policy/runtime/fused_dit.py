@@ -136,13 +136,25 @@ _KINDS = (('w', 'weight'), ('b', 'bias'))
 if triton is not None:
 
     @triton.jit
-    def _grid_sync(counter_ptr, target):
-        """Grid-wide barrier: every program has arrived `target` times in total."""
+    def _load_acquire(ptr):
+        return tl.inline_asm_elementwise('ld.global.acquire.gpu.b32 $0, [$1];', '=r,l', [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _grid_sync(counter_ptr, target, POLL: tl.constexpr):
+        """Grid-wide barrier: waits until every program has arrived `target` times in total.
+        Arrival: a release add; waiting: acquire reads (POLL=1: plain loads, POLL=0: atomic
+        reads), so the scratch written before the barrier is visible after it."""
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem='release', scope='gpu')
-        seen = tl.atomic_add(counter_ptr, 0, sem='acquire', scope='gpu')
-        while seen < target:
+        if POLL == 1:
+            seen = _load_acquire(counter_ptr)
+            while seen < target:
+                seen = _load_acquire(counter_ptr)
+        else:
             seen = tl.atomic_add(counter_ptr, 0, sem='acquire', scope='gpu')
+            while seen < target:
+                seen = tl.atomic_add(counter_ptr, 0, sem='acquire', scope='gpu')
         tl.debug_barrier()
 
     @triton.jit
@@ -157,33 +169,6 @@ if triton is not None:
         mean = total / D
         var = tl.maximum(total_sq / D - mean * mean, 0.0)
         return mean, 1.0 / tl.sqrt(var + eps)
-
-    @triton.jit
-    def _adaln_linear(x_ptr, st_ptr, shift_ptr, scale_ptr, w_ptr, n0, n_rows, T, eps,
-                      D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      NTP: tl.constexpr):
-        """(LN(x) * (1 + scale) + shift) @ W[n0:n0+BN]^T -> float32 (BT, BN); x (T, D) float32,
-        W (n_rows, D) in the parameter dtype."""
-        dtype = w_ptr.dtype.element_ty
-        mean, rstd = _row_stats(st_ptr, eps, D, NTP, BT)
-        rows = tl.arange(0, BT)
-        ks = tl.arange(0, BK)
-        ns = n0 + tl.arange(0, BN)
-        acc = tl.zeros((BT, BN), tl.float32)
-        for k in range(0, D, BK):
-            kk = k + ks
-            km = kk < D
-            m = (rows[:, None] < T) & km[None, :]
-            xk = tl.load(x_ptr + rows[:, None] * D + kk[None, :], mask=m, other=0.0,
-                         cache_modifier='.cg')
-            sh = tl.load(shift_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            sc = tl.load(scale_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            h = (xk - mean[:, None]) * rstd[:, None] * (1.0 + sc[None, :]) + sh[None, :]
-            h = tl.where(m, h, 0.0).to(dtype)
-            w = tl.load(w_ptr + ns[:, None] * D + kk[None, :],
-                        mask=(ns[:, None] < n_rows) & km[None, :], other=0.0)
-            acc = tl.dot(h, tl.trans(w), acc)
-        return acc
 
     @triton.jit
     def _linear(a_ptr, w_ptr, n0, n_rows, T, K: tl.constexpr, BT: tl.constexpr,
@@ -205,10 +190,28 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gated_residual(x_ptr, st_ptr, acc, bias_ptr, gate_ptr, n0, T, D: tl.constexpr,
-                        BT: tl.constexpr, BN: tl.constexpr, NTP: tl.constexpr):
+    def _adaln_linear(xm_ptr, st_ptr, u_ptr, v_ptr, w_ptr, n0, n_rows, T, eps,
+                      D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      NTP: tl.constexpr, STAGES: tl.constexpr):
+        """(LN(x) * (1 + scale) + shift) @ W[n0:n0+BN]^T -> float32 (BT, BN), computed as
+        rstd * (xm @ W^T - mean * u) + v with xm = x * (1 + scale) (parameter dtype, written by
+        the residual update before), u = W (1 + scale), v = W shift (per flow step, from
+        `FusedDiTStep.tables`): the normalization moves to the epilogue, so the K loop is a
+        plain pipelined GEMM. W (n_rows, D); u, v float32 (n_rows,)."""
+        acc = _linear(xm_ptr, w_ptr, n0, n_rows, T, D, BT, BN, BK, STAGES)
+        mean, rstd = _row_stats(st_ptr, eps, D, NTP, BT)
+        ns = n0 + tl.arange(0, BN)
+        u = tl.load(u_ptr + ns, mask=ns < n_rows, other=0.0)
+        v = tl.load(v_ptr + ns, mask=ns < n_rows, other=0.0)
+        return rstd[:, None] * (acc - mean[:, None] * u[None, :]) + v[None, :]
+
+    @triton.jit
+    def _gated_residual(x_ptr, st_ptr, xm_ptr, next_scale_ptr, acc, bias_ptr, gate_ptr, n0, T,
+                        D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                        NTP: tl.constexpr):
         """x[:, n0:n0+BN] += gate * (acc + bias), float32 in place; writes the tile's row sums
-        and sums of squares of the new x to st[:, n0 // BN] (see `_row_stats`)."""
+        and sums of squares of the new x to st[:, n0 // BN] (see `_row_stats`) and
+        xm = x * (1 + next_scale) for the next LayerNorm-fed GEMM (see `_adaln_linear`)."""
         rows = tl.arange(0, BT)
         ns = n0 + tl.arange(0, BN)
         nm = ns < D
@@ -219,6 +222,9 @@ if triton is not None:
         x = tl.load(ptrs, mask=m, other=0.0, cache_modifier='.cg')
         x = tl.where(m, x + g[None, :] * (acc + b[None, :]), 0.0)
         tl.store(ptrs, x, mask=m)
+        nsc = tl.load(next_scale_ptr + ns, mask=nm, other=0.0).to(tl.float32)
+        tl.store(xm_ptr + rows[:, None] * D + ns[None, :],
+                 (x * (1.0 + nsc[None, :])).to(xm_ptr.dtype.element_ty), mask=m)
         tile = n0 // BN
         tl.store(st_ptr + tile * BT + rows, tl.sum(x, axis=1))
         tl.store(st_ptr + (NTP + tile) * BT + rows, tl.sum(x * x, axis=1))
@@ -227,7 +233,7 @@ if triton is not None:
     def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, mod_ptr,
                wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
-               act_ptr, st_ptr, T, S, NC, eps, sm_scale,
+               act_ptr, st_ptr, xm_ptr, uv_ptr, uv_half, n_blocks, T, S, NC, eps, sm_scale,
                D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                F: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NCP: tl.constexpr,
                BN: tl.constexpr, BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
@@ -235,6 +241,9 @@ if triton is not None:
         """Phase p of block `blk` (see the module docstring), work split over the grid."""
         dtype = wq1.dtype.element_ty
         mod = mod_ptr + blk * 9 * D      # shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
+        uw = 4 * D + F                   # u / v of one block: self q|k|v, cross q, fc1
+        u = uv_ptr + blk * uw
+        next_mod = mod_ptr + tl.minimum(blk + 1, n_blocks - 1) * 9 * D
         rows = tl.arange(0, BT)
         if p == 0:      # self-attention q | k | v for every head
             q_tiles = (D + BNW - 1) // BNW
@@ -243,15 +252,16 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 if t < q_tiles:
                     n0 = t * BNW
-                    acc = _adaln_linear(x_ptr, st_ptr, mod, mod + D, wq1 + blk * D * D, n0, D, T,
-                                        eps, D, BT, BNW, BKA, NTP)
+                    acc = _adaln_linear(xm_ptr, st_ptr, u, u + uv_half, wq1 + blk * D * D, n0,
+                                        D, T, eps, D, BT, BNW, BKA, NTP, S2)
                     b = tl.load(bq1 + blk * D + n0 + ns, mask=n0 + ns < D, other=0.0)
                     col0 = n0
                     lim = D - n0
                 else:
                     n0 = (t - q_tiles) * BNW
-                    acc = _adaln_linear(x_ptr, st_ptr, mod, mod + D, wkv1 + blk * 2 * D * D, n0,
-                                        2 * D, T, eps, D, BT, BNW, BKA, NTP)
+                    acc = _adaln_linear(xm_ptr, st_ptr, u + D, u + uv_half + D,
+                                        wkv1 + blk * 2 * D * D, n0, 2 * D, T, eps, D, BT, BNW,
+                                        BKA, NTP, S2)
                     b = tl.load(bkv1 + blk * 2 * D + n0 + ns, mask=n0 + ns < 2 * D, other=0.0)
                     col0 = D + n0
                     lim = 2 * D - n0
@@ -278,15 +288,15 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BN
                 acc = _linear(o2_ptr, wo1 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, acc, bo1 + blk * D, mod + 2 * D, n0, T, D, BT,
-                                BN, NTP)
+                _gated_residual(x_ptr, st_ptr, xm_ptr, mod + 4 * D, acc, bo1 + blk * D,
+                                mod + 2 * D, n0, T, D, BT, BN, NTP)
         elif p == 3:    # cross-attention queries, pre-scaled
             n_tiles = (D + BN - 1) // BN
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BN
                 ns = n0 + tl.arange(0, BN)
-                acc = _adaln_linear(x_ptr, st_ptr, mod + 3 * D, mod + 4 * D, wq2 + blk * D * D, n0,
-                                    D, T, eps, D, BT, BN, BKA, NTP)
+                acc = _adaln_linear(xm_ptr, st_ptr, u + 3 * D, u + uv_half + 3 * D,
+                                    wq2 + blk * D * D, n0, D, T, eps, D, BT, BN, BKA, NTP, S2)
                 b = tl.load(bq2 + blk * D + ns, mask=ns < D, other=0.0).to(tl.float32)
                 y = ((acc + b[None, :]) * sm_scale).to(dtype)
                 tl.store(q2_ptr + rows[:, None] * D + ns[None, :], y,
@@ -336,15 +346,15 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BN
                 acc = _linear(o2_ptr, wo2 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, acc, bo2 + blk * D, mod + 5 * D, n0, T, D, BT,
-                                BN, NTP)
+                _gated_residual(x_ptr, st_ptr, xm_ptr, mod + 7 * D, acc, bo2 + blk * D,
+                                mod + 5 * D, n0, T, D, BT, BN, NTP)
         elif p == 7:    # MLP fc1 + exact GELU
             n_tiles = (F + BNW - 1) // BNW
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BNW
                 ns = n0 + tl.arange(0, BNW)
-                acc = _adaln_linear(x_ptr, st_ptr, mod + 6 * D, mod + 7 * D, w1 + blk * F * D, n0,
-                                    F, T, eps, D, BT, BNW, BKA, NTP)
+                acc = _adaln_linear(xm_ptr, st_ptr, u + 4 * D, u + uv_half + 4 * D,
+                                    w1 + blk * F * D, n0, F, T, eps, D, BT, BNW, BKA, NTP, S2)
                 b = tl.load(b1 + blk * F + ns, mask=ns < F, other=0.0).to(tl.float32)
                 y = acc + b[None, :]
                 y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
@@ -355,40 +365,45 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BN
                 acc = _linear(act_ptr, w2 + blk * D * F, n0, D, T, F, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, acc, b2 + blk * D, mod + 8 * D, n0, T, D, BT,
-                                BN, NTP)
+                _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc, b2 + blk * D,
+                                mod + 8 * D, n0, T, D, BT, BN, NTP)
 
     @triton.jit
     def _dit_step_kernel(x_ptr, mod_ptr,
                          wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                          k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr,
-                         o2_ptr, act_ptr, st_ptr, counter_ptr, n_blocks, blk_only, T, S, NC,
-                         eps, sm_scale,
+                         o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr, counter_ptr, uv_half,
+                         n_blocks, blk_only, T, S, NC, eps, sm_scale,
                          D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
                          HDP: tl.constexpr, F: tl.constexpr, BT: tl.constexpr,
                          BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
                          BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
-                         NTP: tl.constexpr, S2: tl.constexpr, PHASE: tl.constexpr):
+                         NTP: tl.constexpr, S2: tl.constexpr, POLL: tl.constexpr,
+                         SKIP: tl.constexpr, PHASE: tl.constexpr):
         """PHASE = -1: every phase of every block, grid barriers between them (persistent);
-        PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase)."""
+        PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase).
+        SKIP = 1 runs the barriers alone (benchmarks: their cost)."""
         pid = tl.program_id(0)
         n_progs = tl.num_programs(0)
         if PHASE >= 0:
             _phase(PHASE, blk_only, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
                    bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr, qkv_ptr,
-                   q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, T, S, NC, eps,
-                   sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2)
+                   q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr,
+                   uv_half, n_blocks, T, S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP,
+                   BN, BNW, BK, BKA, NTP, S2)
         else:
             arrivals = 0
             for blk in range(n_blocks):
                 for p in tl.static_range(9):
-                    _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
-                           bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr,
-                           qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, T,
-                           S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK,
-                           BKA, NTP, S2)
+                    if SKIP == 0:
+                        _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
+                               bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
+                               bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
+                               act_ptr, st_ptr, xm_ptr, uv_ptr, uv_half, n_blocks, T, S, NC, eps,
+                               sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP,
+                               S2)
                     arrivals += n_progs
-                    _grid_sync(counter_ptr, arrivals)
+                    _grid_sync(counter_ptr, arrivals, POLL)
 
 
 class FusedDiTStep:
@@ -397,22 +412,24 @@ class FusedDiTStep:
     Args:
         ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
-        tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages
+        tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
+            POLL (barrier wait: 1 acquire loads, 0 atomic reads), SKIP (1: barriers only)
             (benchmarks).
         phases: with `phased`, run only these phases (benchmarks time them one by one).
 
-    Call: `(x, mod, ctx) -> x` with x (1, T, D) in the parameter dtype (the action tokens
-    after `embed_actions`), mod (n_blocks, 9, 1, D) one flow step's block modulation,
-    ctx an `ActionExpertContext`; returns (1, T, D) in the parameter dtype, equal to running
-    the blocks within bf16 rounding. Allocates its scratch per call (static memory inside a
-    CUDA graph capture). Raises ValueError on other shapes.
+    Call: `(x, mod, ctx, tables=None) -> x` with x (1, T, D) in the parameter dtype (the action
+    tokens after `embed_actions`), mod (n_blocks, 9, 1, D) one flow step's block modulation,
+    ctx an `ActionExpertContext`, tables = `self.tables(mod)` (computed per call if None:
+    precompute them once per flow time, as the engine does); returns (1, T, D) in the
+    parameter dtype, equal to running the blocks within bf16 rounding. Allocates its scratch
+    per call (static memory inside a CUDA graph capture). Raises ValueError on other shapes.
     """
 
     def __init__(self, ae, phased: bool = False, tiles: dict | None = None,
                  phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
         cfg = ae.cfg
         self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
-                          BS=KEY_CHUNK, S2=4, num_warps=4, num_stages=4)
+                          BS=KEY_CHUNK, S2=4, POLL=1, SKIP=0, num_warps=4, num_stages=4)
         self.tiles.update(tiles or {})
         self.d, self.h = cfg.hidden_size, cfg.num_heads
         self.hd = self.d // self.h
@@ -423,7 +440,21 @@ class FusedDiTStep:
         self.sm_scale = self.hd ** -0.5
         self.eps = ae.blocks[0].norm1.eps
 
-    def __call__(self, x: torch.Tensor, mod: torch.Tensor, ctx) -> torch.Tensor:
+    def tables(self, mod: torch.Tensor) -> torch.Tensor:
+        """Per-flow-time constants of the LayerNorm-fed GEMMs (see `_adaln_linear`):
+        mod (n_blocks, 9, 1, D) -> float32 (2, n_blocks, 4D + F): u = W (1 + scale) and
+        v = W shift for the self-attention q|k|v (3D), the cross-attention q (D) and fc1 (F)."""
+        m = mod[:, :, 0].float()
+        w = self.w
+        parts = ((w.wq1, 0), (w.wkv1, 0), (w.wq2, 3), (w.w1, 6))     # (weights, shift index)
+        u = torch.cat([torch.matmul(wt.float(), 1.0 + m[:, i + 1, :, None])[..., 0]
+                       for wt, i in parts], dim=1)
+        v = torch.cat([torch.matmul(wt.float(), m[:, i, :, None])[..., 0] for wt, i in parts],
+                      dim=1)
+        return torch.stack([u, v]).contiguous()
+
+    def __call__(self, x: torch.Tensor, mod: torch.Tensor, ctx,
+                 tables: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         if b != 1 or d != self.d or t > 2 * ROWS:
             raise ValueError(f'x must be (1, T <= {2 * ROWS}, {self.d}), got {tuple(x.shape)}')
@@ -433,6 +464,8 @@ class FusedDiTStep:
         if keys.shape != (nb, 1, h, s, hd) or mod.shape != (nb, 9, 1, d):
             raise ValueError(f'keys must be ({nb}, 1, {h}, S, {hd}) and mod ({nb}, 9, 1, {d}); '
                              f'got {tuple(keys.shape)} and {tuple(mod.shape)}')
+        if tables is None:
+            tables = self.tables(mod)
         dev, dtype = x.device, x.dtype
         bt = ROWS if t <= ROWS else 2 * ROWS
         hdp = max(16, _next_pow2(hd))
@@ -441,22 +474,26 @@ class FusedDiTStep:
         ncp = max(16, _next_pow2(nc))
         xs = torch.zeros((bt, d), device=dev, dtype=torch.float32)
         xs[:t] = x[0].float()
-        qkv = torch.empty((bt, 3 * d), device=dev, dtype=dtype)
-        q2 = torch.empty((bt, d), device=dev, dtype=dtype)
-        po = torch.empty((h, ncp, bt, hdp), device=dev, dtype=torch.float32)
-        pm = torch.empty((h, ncp, bt), device=dev, dtype=torch.float32)
-        pl = torch.empty((h, ncp, bt), device=dev, dtype=torch.float32)
-        o2 = torch.empty((bt, d), device=dev, dtype=dtype)
-        act = torch.empty((bt, self.f), device=dev, dtype=dtype)
+        xm = torch.zeros((bt, d), device=dev, dtype=dtype)   # x * (1 + scale1) of block 0
+        xm[:t] = (xs[:t] * (1.0 + mod[0, 1].float())).to(dtype)
         ntp = _next_pow2(-(-d // tiles['BN']))
         stats = torch.zeros((2, ntp, bt), device=dev, dtype=torch.float32)
         stats[0, 0] = xs.sum(dim=1)           # the row statistics of the input x, as one tile
         stats[1, 0] = (xs * xs).sum(dim=1)
+        scratch = dict(
+            qkv=torch.empty((bt, 3 * d), device=dev, dtype=dtype),
+            q2=torch.empty((bt, d), device=dev, dtype=dtype),
+            po=torch.empty((h, ncp, bt, hdp), device=dev, dtype=torch.float32),
+            pm=torch.empty((h, ncp, bt), device=dev, dtype=torch.float32),
+            pl=torch.empty((h, ncp, bt), device=dev, dtype=torch.float32),
+            o2=torch.empty((bt, d), device=dev, dtype=dtype),
+            act=torch.empty((bt, self.f), device=dev, dtype=dtype))
         counter = torch.zeros(1, device=dev, dtype=torch.int32)
         w = self.w
         args = (xs, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1, w.bo1, w.wq2, w.bq2,
                 w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
-                ctx.mask_bias.reshape(-1), qkv, q2, po, pm, pl, o2, act, stats, counter)
+                ctx.mask_bias.reshape(-1), *scratch.values(), stats, xm, tables, counter,
+                tables.shape[1] * tables.shape[2])
         tiles['BK'] = min(tiles['BK'], _next_pow2(d))
         tiles['BKA'] = min(tiles['BKA'], _next_pow2(d))
         meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, **tiles)
