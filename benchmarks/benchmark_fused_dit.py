@@ -42,9 +42,7 @@ TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module def
     'persistent': {},
     'persistent, atomic-read barrier': {'POLL': 0},
     'persistent BK=128': {'BK': 128, 'BKA': 128},
-    'persistent 3 stages': {'S2': 3, 'num_stages': 3},
-    'persistent 6 stages': {'S2': 6},
-    'persistent BNW=16': {'BNW': 16},
+    'persistent 8 warps': {'num_warps': 8},
     'barriers only (wrong output)': {'SKIP': 1},
 }
 
