@@ -141,6 +141,19 @@ if triton is not None:
                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _grid_sync_flags(flags_ptr, pid, n_progs, gen, GP: tl.constexpr):
+        """Grid-wide barrier without a contended counter: each program publishes `gen` in its
+        own flag (a release exchange), then polls every program's flag (acquire loads, one
+        vector per poll) until all reach `gen`. flags: int32 (>= n_progs,), zero at launch."""
+        tl.debug_barrier()
+        tl.atomic_xchg(flags_ptr + pid, gen, sem='release', scope='gpu')
+        idx = tl.minimum(tl.arange(0, GP), n_progs - 1)
+        seen = _load_acquire(flags_ptr + idx)
+        while tl.min(seen, axis=0) < gen:
+            seen = _load_acquire(flags_ptr + idx)
+        tl.debug_barrier()
+
+    @triton.jit
     def _grid_sync(counter_ptr, target, POLL: tl.constexpr):
         """Grid-wide barrier: waits until every program has arrived `target` times in total.
         Arrival: a release add; waiting: acquire reads (POLL=1: plain loads, POLL=0: atomic
@@ -172,9 +185,10 @@ if triton is not None:
 
     @triton.jit
     def _linear(a_ptr, w_ptr, n0, n_rows, T, K: tl.constexpr, BT: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-        """a (T, K) @ W[n0:n0+BN]^T -> float32 (BT, BN); a in scratch, W (n_rows, K); the K
-        loop software-pipelined STAGES deep."""
+                BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, LD: tl.constexpr = 0):
+        """a (T, K) @ W[n0:n0+BN]^T -> float32 (BT, BN); a in scratch, W (n_rows, K); rows of
+        both LD apart (0: K); the K loop software-pipelined STAGES deep."""
+        ld: tl.constexpr = K if LD == 0 else LD
         rows = tl.arange(0, BT)
         ks = tl.arange(0, BK)
         ns = n0 + tl.arange(0, BN)
@@ -182,9 +196,9 @@ if triton is not None:
         for k in tl.range(0, K, BK, num_stages=STAGES):
             kk = k + ks
             km = kk < K
-            a = tl.load(a_ptr + rows[:, None] * K + kk[None, :],
+            a = tl.load(a_ptr + rows[:, None] * ld + kk[None, :],
                         mask=(rows[:, None] < T) & km[None, :], other=0.0, cache_modifier='.cg')
-            w = tl.load(w_ptr + ns[:, None] * K + kk[None, :],
+            w = tl.load(w_ptr + ns[:, None] * ld + kk[None, :],
                         mask=(ns[:, None] < n_rows) & km[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc)
         return acc
@@ -233,11 +247,12 @@ if triton is not None:
     def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, mod_ptr,
                wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
-               act_ptr, st_ptr, xm_ptr, uv_ptr, uv_half, n_blocks, T, S, NC, eps, sm_scale,
+               act_ptr, st_ptr, xm_ptr, uv_ptr, tiles_ptr, uv_half, n_blocks, T, S, NC, eps,
+               sm_scale,
                D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                F: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NCP: tl.constexpr,
                BN: tl.constexpr, BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
-               NTP: tl.constexpr, S2: tl.constexpr):
+               NTP: tl.constexpr, S2: tl.constexpr, KS2: tl.constexpr):
         """Phase p of block `blk` (see the module docstring), work split over the grid."""
         dtype = wq1.dtype.element_ty
         mod = mod_ptr + blk * 9 * D      # shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
@@ -362,48 +377,76 @@ if triton is not None:
                          mask=(rows[:, None] < T) & (ns[None, :] < F))
         else:           # MLP fc2 + gated residual
             n_tiles = (D + BN - 1) // BN
-            for t in range(pid, n_tiles, n_progs):
-                n0 = t * BN
-                acc = _linear(act_ptr, w2 + blk * D * F, n0, D, T, F, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc, b2 + blk * D,
-                                mod + 8 * D, n0, T, D, BT, BN, NTP)
+            if KS2 == 1:
+                for t in range(pid, n_tiles, n_progs):
+                    n0 = t * BN
+                    acc = _linear(act_ptr, w2 + blk * D * F, n0, D, T, F, BT, BN, BK, S2)
+                    _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc, b2 + blk * D,
+                                    mod + 8 * D, n0, T, D, BT, BN, NTP)
+            else:       # K split in two halves; the later of the two adds and updates x
+                half: tl.constexpr = F // 2
+                cols = tl.arange(0, BN)
+                for item in range(pid, 2 * n_tiles, n_progs):
+                    t = item // 2
+                    kh = item % 2
+                    n0 = t * BN
+                    acc = _linear(act_ptr + kh * half, w2 + blk * D * F + kh * half, n0, D, T,
+                                  half, BT, BN, BK, S2, F)
+                    part = po_ptr + rows[:, None] * D + n0 + cols[None, :]   # (2, BT, D)
+                    pm = (n0 + cols[None, :] < D) & (rows[:, None] < BT)
+                    tl.store(part + kh * BT * D, acc, mask=pm)
+                    tl.debug_barrier()
+                    old = tl.atomic_add(tiles_ptr + t, 1, sem='acq_rel', scope='gpu')
+                    if old % 2 == 1:     # a + b == b + a: the same bits whichever is later
+                        other = tl.load(part + (1 - kh) * BT * D, mask=pm, other=0.0,
+                                        cache_modifier='.cg')
+                        _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc + other,
+                                        b2 + blk * D, mod + 8 * D, n0, T, D, BT, BN, NTP)
 
     @triton.jit
     def _dit_step_kernel(x_ptr, mod_ptr,
                          wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                          k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr,
-                         o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr, counter_ptr, uv_half,
+                         o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr, uv_half,
                          n_blocks, blk_only, T, S, NC, eps, sm_scale,
                          D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
                          HDP: tl.constexpr, F: tl.constexpr, BT: tl.constexpr,
                          BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
                          BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
                          NTP: tl.constexpr, S2: tl.constexpr, POLL: tl.constexpr,
-                         SKIP: tl.constexpr, PHASE: tl.constexpr):
+                         SKIP: tl.constexpr, BAR: tl.constexpr, GP: tl.constexpr,
+                         KS2: tl.constexpr, PHASE: tl.constexpr):
         """PHASE = -1: every phase of every block, grid barriers between them (persistent);
         PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase).
-        SKIP = 1 runs the barriers alone (benchmarks: their cost)."""
+        SKIP = 1 runs the barriers alone (benchmarks: their cost). sync: int32, zero at
+        launch: [0] the barrier counter (BAR = 0), [1, 1 + GP) one flag per program
+        (BAR = 1), then one counter per fc2 output tile (KS2 = 2: split-K fc2)."""
         pid = tl.program_id(0)
         n_progs = tl.num_programs(0)
         if PHASE >= 0:
             _phase(PHASE, blk_only, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
                    bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr, qkv_ptr,
                    q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr,
-                   uv_half, n_blocks, T, S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP,
-                   BN, BNW, BK, BKA, NTP, S2)
+                   sync_ptr + 1 + GP, uv_half, n_blocks, T, S, NC, eps, sm_scale, D, H, HD,
+                   HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
         else:
             arrivals = 0
+            gen = 0
             for blk in range(n_blocks):
                 for p in tl.static_range(9):
                     if SKIP == 0:
                         _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
                                bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
                                bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
-                               act_ptr, st_ptr, xm_ptr, uv_ptr, uv_half, n_blocks, T, S, NC, eps,
-                               sm_scale, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP,
-                               S2)
+                               act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1 + GP, uv_half,
+                               n_blocks, T, S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP,
+                               BN, BNW, BK, BKA, NTP, S2, KS2)
                     arrivals += n_progs
-                    _grid_sync(counter_ptr, arrivals, POLL)
+                    gen += 1
+                    if BAR == 1:
+                        _grid_sync_flags(sync_ptr + 1, pid, n_progs, gen, GP)
+                    else:
+                        _grid_sync(sync_ptr, arrivals, POLL)
 
 
 class FusedDiTStep:
@@ -413,8 +456,8 @@ class FusedDiTStep:
         ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
         tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
-            POLL (barrier wait: 1 acquire loads, 0 atomic reads), SKIP (1: barriers only)
-            (benchmarks).
+            BAR (1: per-program flags, 0: one counter), POLL (counter wait: 1 acquire loads,
+            0 atomic reads), SKIP (1: barriers only), KS2 (1 or 2: fc2 split-K) (benchmarks).
         phases: with `phased`, run only these phases (benchmarks time them one by one).
 
     Call: `(x, mod, ctx, tables=None) -> x` with x (1, T, D) in the parameter dtype (the action
@@ -429,7 +472,8 @@ class FusedDiTStep:
                  phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
         cfg = ae.cfg
         self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
-                          BS=KEY_CHUNK, S2=4, POLL=1, SKIP=0, num_warps=4, num_stages=4)
+                          BS=KEY_CHUNK, S2=4, POLL=1, SKIP=0, BAR=1, KS2=2, num_warps=4,
+                          num_stages=4)
         self.tiles.update(tiles or {})
         self.d, self.h = cfg.hidden_size, cfg.num_heads
         self.hd = self.d // self.h
@@ -470,6 +514,8 @@ class FusedDiTStep:
         bt = ROWS if t <= ROWS else 2 * ROWS
         hdp = max(16, _next_pow2(hd))
         tiles = dict(self.tiles)
+        if self.f % 2:
+            tiles['KS2'] = 1          # the split-K fc2 halves the hidden width
         nc = math.ceil(s / tiles['BS'])
         ncp = max(16, _next_pow2(nc))
         xs = torch.zeros((bt, d), device=dev, dtype=torch.float32)
@@ -488,15 +534,18 @@ class FusedDiTStep:
             pl=torch.empty((h, ncp, bt), device=dev, dtype=torch.float32),
             o2=torch.empty((bt, d), device=dev, dtype=dtype),
             act=torch.empty((bt, self.f), device=dev, dtype=dtype))
-        counter = torch.zeros(1, device=dev, dtype=torch.int32)
+        n_progs = torch.cuda.get_device_properties(dev).multi_processor_count \
+            if dev.type == 'cuda' else 1
+        gp = max(16, _next_pow2(n_progs))
+        sync = torch.zeros(1 + gp + ntp, device=dev, dtype=torch.int32)
         w = self.w
         args = (xs, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1, w.bo1, w.wq2, w.bq2,
                 w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
-                ctx.mask_bias.reshape(-1), *scratch.values(), stats, xm, tables, counter,
+                ctx.mask_bias.reshape(-1), *scratch.values(), stats, xm, tables, sync,
                 tables.shape[1] * tables.shape[2])
         tiles['BK'] = min(tiles['BK'], _next_pow2(d))
         tiles['BKA'] = min(tiles['BKA'], _next_pow2(d))
-        meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, **tiles)
+        meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, GP=gp, **tiles)
         if self.phased:
             bnw = tiles['BNW']
             wide = -(-d // bnw) + -(-2 * d // bnw)
@@ -506,7 +555,7 @@ class FusedDiTStep:
                     _dit_step_kernel[grid](*args, nb, blk, t, s, nc, self.eps, self.sm_scale,
                                            PHASE=p, **meta)
         else:
-            grid = (torch.cuda.get_device_properties(dev).multi_processor_count,)
+            grid = (n_progs,)
             _dit_step_kernel[grid](*args, nb, 0, t, s, nc, self.eps, self.sm_scale,
                                    PHASE=-1, **meta)
         return xs[:t].to(dtype)[None]
