@@ -40,9 +40,9 @@ from profile_stages import time_runner  # noqa: E402
 
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
     'persistent': {},
-    'persistent, counter barrier': {'BAR': 0},
     'persistent, fc2 not split': {'KS2': 1},
-    'persistent, both (run 2 kernel)': {'BAR': 0, 'KS2': 1},
+    'persistent, atomic-read barrier': {'POLL': 0},
+    'persistent BK=128': {'BK': 128, 'BKA': 128},
     'barriers only (wrong output)': {'SKIP': 1},
 }
 

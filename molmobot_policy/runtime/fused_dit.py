@@ -6,28 +6,36 @@ HBM speed, but the compiled block runs it as ~25 kernels of ~3 us each (~73 us; 
 benchmarks/RESULTS.md "Where the time goes"). Here one launch runs every block of one flow
 step with all SMs: the 16 action tokens stay in a small float32 scratch (in L2), each phase
 of a block (below) is split over the whole grid, and the phases are separated by a grid-wide
-barrier (an atomic counter) instead of a kernel boundary.
+barrier (an atomic counter) instead of a kernel boundary. On an H200 the 10-step loop takes
+14.7 ms instead of 26.4 ms (benchmarks/benchmark_fused_dit.py; RESULTS.md "Fused DiT kernel").
 
 Phases of one block (B = 1, T <= 32 tokens; `DiTBlock.forward` is the reference):
-  0. self q/kv = (LN1(x) * (1 + scale1) + shift1) @ [Wq; Wkv]^T + b       (3D columns)
-  1. x += gate1 * (softmax(q k^T / sqrt(hd)) v @ Wo^T + bo)                (per output tile,
-     the 16 x 16 attention of every head recomputed by each tile: no extra barrier)
-  2. q2 = (LN2(x) * (1 + scale2) + shift2) @ Wq2^T + bq2, times 1/sqrt(hd)
-  3. cross-attention partials per (head, 128-key chunk): running max, sum, P V (flash-decoding)
-  4. combine the chunks per (head, row) into the attention output
-  5. x += gate2 * (o @ Wo2^T + bo2)
-  6. a = GELU(LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                  (exact erf GELU)
-  7. x += gate3 * (a @ W2^T + b2)
+  0. self q|k|v = (LN1(x) * (1 + scale1) + shift1) @ [Wq; Wkv]^T + b       (3D columns)
+  1. self-attention, one head per program: softmax(q k^T / sqrt(hd)) v -> o
+  2. x += gate1 * (o @ Wo^T + bo)
+  3. q2 = (LN2(x) * (1 + scale2) + shift2) @ Wq2^T + bq2, times 1/sqrt(hd)
+  4. cross-attention partials per (head, 128-key chunk): row max, sum, P V (flash-decoding)
+  5. combine the chunks per (head, row) into o
+  6. x += gate2 * (o @ Wo2^T + bo2)
+  7. a = GELU(LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                  (exact erf GELU)
+  8. x += gate3 * (a @ W2^T + b2), the K = 3072 reduction split in two halves per output tile;
+     the later half to finish adds the two (a + b == b + a: the same bits either way)
+The LayerNorms cost no pass over x: every residual update (2, 6, 8) also writes its tile's row
+sums and sums of squares and xm = x * (1 + scale) for the next LayerNorm-fed GEMM, which then
+runs as a plain pipelined GEMM on xm and applies the normalization in its epilogue:
+rstd * (xm @ W^T - mean * W(1 + scale)) + W shift, with W(1 + scale) and W shift computed once
+per flow time (`FusedDiTStep.tables`, like the engine's precomputed AdaLN conditioning).
 The residual stream stays float32 inside the kernel (the reference rounds it to the parameter
 dtype after every op); matmuls take parameter-dtype operands with float32 accumulation, as
-cuBLAS does. Agreement with the reference is within bf16 rounding (tested on the GPU).
+cuBLAS does. Agreement with float32 is closer than the bf16 blocks' (tested on the GPU).
 
 Safety of the grid barrier: the grid is exactly one program per SM, launched alone on the
 stream, so every program is resident (the barrier would hang otherwise). Where that cannot be
 guaranteed (e.g. MPS with an SM limit) set the engine's `fused_action_expert: off`.
 
 `phased=True` launches each phase as its own kernel (no barrier): slower, but it runs in
-Triton's CPU interpreter (TRITON_INTERPRET=1) and isolates a barrier fault from a math fault.
+Triton's CPU interpreter (TRITON_INTERPRET=1) and isolates a barrier fault from a math fault;
+on the GPU it gives the same bits as the persistent launch (tested).
 """
 from __future__ import annotations
 
@@ -45,9 +53,9 @@ except ImportError:   # pragma: no cover - exercised on CPU-only installs
 
 N_PHASES = 9
 ROWS = 16              # token rows per tile (tl.dot needs >= 16); T <= ROWS * 2 supported
-KEY_CHUNK = 128        # cross-attention keys per program in phase 3
-TILE_N = 16            # output columns per program for D-wide outputs (phases 1, 2, 5, 7)
-TILE_N_WIDE = 32       # output columns per program for the q/kv and fc1 GEMMs (phases 0, 6)
+KEY_CHUNK = 128        # cross-attention keys per program in phase 4
+TILE_N = 16            # output columns per program for D-wide outputs (phases 2, 3, 6, 8)
+TILE_N_WIDE = 32       # output columns per program for the q|k|v and fc1 GEMMs (phases 0, 7)
 TILE_K = 256           # reduction chunk of the GEMMs (a pipelined loop)
 TILE_K_ADALN = 256     # reduction chunk of the LayerNorm-fed GEMMs (phases 0, 3, 7)
 
@@ -139,19 +147,6 @@ if triton is not None:
     def _load_acquire(ptr):
         return tl.inline_asm_elementwise('ld.global.acquire.gpu.b32 $0, [$1];', '=r,l', [ptr],
                                          dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _grid_sync_flags(flags_ptr, pid, n_progs, gen, GP: tl.constexpr):
-        """Grid-wide barrier without a contended counter: each program publishes `gen` in its
-        own flag (a release exchange), then polls every program's flag (acquire loads, one
-        vector per poll) until all reach `gen`. flags: int32 (>= n_progs,), zero at launch."""
-        tl.debug_barrier()
-        tl.atomic_xchg(flags_ptr + pid, gen, sem='release', scope='gpu')
-        idx = tl.minimum(tl.arange(0, GP), n_progs - 1)
-        seen = _load_acquire(flags_ptr + idx)
-        while tl.min(seen, axis=0) < gen:
-            seen = _load_acquire(flags_ptr + idx)
-        tl.debug_barrier()
 
     @triton.jit
     def _grid_sync(counter_ptr, target, POLL: tl.constexpr):
@@ -414,39 +409,32 @@ if triton is not None:
                          BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
                          BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
                          NTP: tl.constexpr, S2: tl.constexpr, POLL: tl.constexpr,
-                         SKIP: tl.constexpr, BAR: tl.constexpr, GP: tl.constexpr,
-                         KS2: tl.constexpr, PHASE: tl.constexpr):
+                         SKIP: tl.constexpr, KS2: tl.constexpr, PHASE: tl.constexpr):
         """PHASE = -1: every phase of every block, grid barriers between them (persistent);
         PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase).
         SKIP = 1 runs the barriers alone (benchmarks: their cost). sync: int32, zero at
-        launch: [0] the barrier counter (BAR = 0), [1, 1 + GP) one flag per program
-        (BAR = 1), then one counter per fc2 output tile (KS2 = 2: split-K fc2)."""
+        launch: [0] the barrier counter, then one counter per fc2 output tile (KS2 = 2)."""
         pid = tl.program_id(0)
         n_progs = tl.num_programs(0)
         if PHASE >= 0:
             _phase(PHASE, blk_only, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
                    bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr, qkv_ptr,
                    q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr,
-                   sync_ptr + 1 + GP, uv_half, n_blocks, T, S, NC, eps, sm_scale, D, H, HD,
+                   sync_ptr + 1, uv_half, n_blocks, T, S, NC, eps, sm_scale, D, H, HD,
                    HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
         else:
             arrivals = 0
-            gen = 0
             for blk in range(n_blocks):
                 for p in tl.static_range(9):
                     if SKIP == 0:
                         _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
                                bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
                                bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
-                               act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1 + GP, uv_half,
+                               act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1, uv_half,
                                n_blocks, T, S, NC, eps, sm_scale, D, H, HD, HDP, F, BT, BS, NCP,
                                BN, BNW, BK, BKA, NTP, S2, KS2)
                     arrivals += n_progs
-                    gen += 1
-                    if BAR == 1:
-                        _grid_sync_flags(sync_ptr + 1, pid, n_progs, gen, GP)
-                    else:
-                        _grid_sync(sync_ptr, arrivals, POLL)
+                    _grid_sync(sync_ptr, arrivals, POLL)
 
 
 class FusedDiTStep:
@@ -456,8 +444,8 @@ class FusedDiTStep:
         ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
         tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
-            BAR (1: per-program flags, 0: one counter), POLL (counter wait: 1 acquire loads,
-            0 atomic reads), SKIP (1: barriers only), KS2 (1 or 2: fc2 split-K) (benchmarks).
+            POLL (barrier wait: 1 acquire loads, 0 atomic reads), SKIP (1: barriers only),
+            KS2 (1 or 2: fc2 split-K) (benchmarks).
         phases: with `phased`, run only these phases (benchmarks time them one by one).
 
     Call: `(x, mod, ctx, tables=None) -> x` with x (1, T, D) in the parameter dtype (the action
@@ -472,8 +460,7 @@ class FusedDiTStep:
                  phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
         cfg = ae.cfg
         self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
-                          BS=KEY_CHUNK, S2=4, POLL=1, SKIP=0, BAR=1, KS2=2, num_warps=4,
-                          num_stages=4)
+                          BS=KEY_CHUNK, S2=4, POLL=1, SKIP=0, KS2=2, num_warps=4, num_stages=4)
         self.tiles.update(tiles or {})
         self.d, self.h = cfg.hidden_size, cfg.num_heads
         self.hd = self.d // self.h
@@ -536,8 +523,7 @@ class FusedDiTStep:
             act=torch.empty((bt, self.f), device=dev, dtype=dtype))
         n_progs = torch.cuda.get_device_properties(dev).multi_processor_count \
             if dev.type == 'cuda' else 1
-        gp = max(16, _next_pow2(n_progs))
-        sync = torch.zeros(1 + gp + ntp, device=dev, dtype=torch.int32)
+        sync = torch.zeros(1 + ntp, device=dev, dtype=torch.int32)
         w = self.w
         args = (xs, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1, w.bo1, w.wq2, w.bq2,
                 w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
@@ -545,7 +531,7 @@ class FusedDiTStep:
                 tables.shape[1] * tables.shape[2])
         tiles['BK'] = min(tiles['BK'], _next_pow2(d))
         tiles['BKA'] = min(tiles['BKA'], _next_pow2(d))
-        meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, GP=gp, **tiles)
+        meta = dict(D=d, H=h, HD=hd, HDP=hdp, F=self.f, BT=bt, NCP=ncp, NTP=ntp, **tiles)
         if self.phased:
             bnw = tiles['BNW']
             wide = -(-d // bnw) + -(-2 * d // bnw)
