@@ -168,7 +168,7 @@ def test_unknown_options_are_rejected_by_name():
 def test_mode_reports_the_engine_settings(engine):
     mode = engine.mode
     assert mode['model'] == 'tiny' and mode['compile'] == 'False' and mode['fp8'] == 'none'
-    assert mode['fused_action_expert'] == 'off'     # CPU: the DiT blocks
+    assert mode['fused_action_expert'].startswith('off (')     # CPU: the DiT blocks, and why
 
 
 def test_fused_action_expert_option_is_validated():
@@ -178,14 +178,23 @@ def test_fused_action_expert_option_is_validated():
         EngineConfig(fused_action_expert='on', kv_cache=False)
 
 
-def test_fused_action_expert_on_where_it_cannot_serve_fails_naming_why():
-    with pytest.raises(ValueError, match='fused_action_expert=on.*(CUDA|triton)'):
-        PolicyEngine(EngineConfig(model='tiny', fused_action_expert='on'))
+def test_fused_action_expert_on_where_it_cannot_serve_fails_before_the_model_is_built():
+    with pytest.raises(ValueError, match='fused_action_expert=on needs a CUDA device'):
+        EngineConfig(model='tiny', fused_action_expert='on')
+    with pytest.raises(ValueError, match="fused_action_expert=on needs dtype 'bfloat16'"):
+        EngineConfig(model='tiny', device='cuda', dtype='float32', fused_action_expert='on')
 
 
-def test_fused_action_expert_auto_falls_back_to_the_blocks_on_cpu():
+def test_fused_action_expert_takes_booleans_as_on_off():
+    assert EngineConfig(fused_action_expert=False).fused_action_expert == 'off'
+    with pytest.raises(ValueError, match='needs a CUDA device'):
+        EngineConfig(fused_action_expert=True)
+
+
+def test_fused_action_expert_auto_falls_back_to_the_blocks_on_cpu_and_says_why():
     e = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)))
-    assert e._fused_blocks is None and e.mode['fused_action_expert'] == 'off'
+    assert e._fused_blocks is None
+    assert e.mode['fused_action_expert'] == 'off (needs a CUDA device, serving on cpu)'
 
 
 def test_close_releases_the_model():

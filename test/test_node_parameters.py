@@ -73,3 +73,38 @@ def test_parameter_file_without_a_section_for_the_node_is_reported(tmp_path):
     assert len(errors) == 1
     assert str(typo) in errors[0] and "'molmobot_polcy'" in errors[0]
     assert unmatched_parameter_files(argv[:2] + argv[4:], 'molmobot_policy') == []
+
+
+class _Capture:
+    """Engine factory that records the engine config it is given, then fails configure."""
+
+    def __init__(self):
+        self.config = None
+
+    def __call__(self, config):
+        self.config = config
+        raise ValueError('captured')
+
+
+@pytest.mark.parametrize('value, expected', [(True, 'on'), (False, 'off'), ('auto', 'auto'),
+                                             ('off', 'off')])
+def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected):
+    """YAML and `-p fused_action_expert:=on` turn on/off into booleans; the node maps them."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=f'param_fused_{expected}_{value is True}',
+                      context=ros_context,
+                      parameter_overrides=[Parameter('autostart', value=False),
+                                           Parameter('fused_action_expert', value=value)])
+    try:
+        node.get_logger().error = lambda msg, **kw: None
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert capture.config['fused_action_expert'] == expected
+    finally:
+        node.destroy_node()
+
+
+def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
+    with pytest.raises(ValueError, match=r"parameter 'quantize': False is not a valid str.*"
+                                         r"quote the value"):
+        _node(ros_context, [Parameter('autostart', value=False),
+                            Parameter('quantize', value=False)], 'param_bool_str')

@@ -73,6 +73,16 @@ def test_missing_joint_is_named_in_skip():
     assert "'finger'" in str(skip) and '/joint_states' in skip.topics
 
 
+def test_joint_state_never_received_says_so_in_skip():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip)
+    assert 'joint state /joint_states has no message yet' in str(skip)
+    assert 'lacks' not in str(skip) and '/joint_states' in skip.topics
+
+
 def test_camera_without_any_image_is_named_in_skip():
     sync = _sync()
     sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)

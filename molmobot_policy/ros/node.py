@@ -116,6 +116,14 @@ def _list_descriptor(description: str, type_: int) -> ParameterDescriptor:
     return descriptor
 
 
+def _bool_or_string_descriptor(description: str, constraints: str) -> ParameterDescriptor:
+    """For a string parameter whose values include on / off: YAML and `-p name:=on` read those
+    as booleans, so the type is left dynamic and on_configure maps true/false to 'on'/'off'."""
+    descriptor = _descriptor(description, _S, constraints=constraints)
+    descriptor.dynamic_typing = True
+    return descriptor
+
+
 # name: (default, descriptor). read_only where a change after configure/activate is unsafe.
 PARAMETERS = {
     'autostart': (True, _descriptor('run configure + activate at start-up', _B)),
@@ -170,7 +178,7 @@ PARAMETERS = {
                                         _D)),
     'device': ('cpu', _descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
     'dtype': ('float32', _descriptor('serving dtype of the weights', _S,
-                                     constraints="'float32' or 'bfloat16'")),
+                                     constraints="'float32', 'bfloat16' or 'float16'")),
     'seed': (0, _descriptor('seed of random weights and flow noise', _I,
                             int_range=(0, 2**31 - 1))),
     'flow_steps': (0, _descriptor("Euler flow steps (0: the model config's)", _I,
@@ -186,10 +194,11 @@ PARAMETERS = {
     'vit_fp32_attention': (False, _descriptor(
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.6x faster "
         'ViT on an H200)', _B)),
-    'fused_action_expert': ('auto', _descriptor(
-        "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bf16)", _S,
-        constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' "
-                    "(required, error otherwise), 'off'")),
+    'fused_action_expert': ('auto', _bool_or_string_descriptor(
+        "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
+        'float16, kv_cache true)',
+        "'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / true "
+        "(required: configure fails where it cannot serve), 'off' / false")),
     'kv_cache': (True, _descriptor(
         "compute the action expert's cross-attention K/V once per query (false: every flow "
         'step, for comparison only)', _B)),
@@ -292,7 +301,10 @@ class PolicyNode(LifecycleNode):
                     + (f'; {descriptor.additional_constraints}'
                        if descriptor.additional_constraints else '')
                     + ('; write floats with a decimal point, e.g. 0.0' if isinstance(default, float)
-                       else '') + f'): {error}') from None
+                       else '')
+                    + ("; YAML reads on/off/yes/no as booleans: quote the value, e.g. 'off'"
+                       if isinstance(default, str) and isinstance(value, bool) else '')
+                    + f'): {error}') from None
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
@@ -365,6 +377,9 @@ class PolicyNode(LifecycleNode):
         joints = list(self._param('joint_names'))
         action_joints = list(self._param('action_joint_names'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
+        fused = engine_config['fused_action_expert']
+        if isinstance(fused, bool):       # `on` / `off` unquoted in YAML or on the command line
+            engine_config['fused_action_expert'] = 'on' if fused else 'off'
         engine_config['buckets'] = tuple(engine_config['buckets'])
         engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()

@@ -188,6 +188,7 @@ class ObservationSynchronizer:
         with self._lock:
             frames = {t: self._frames.get(t) for t in self.camera_topics}
             joints = {n: self._joints.get(n) for n in self.joint_names}
+            any_joint = bool(self._joints)
         reasons, topics = [], []
         for topic, frame in frames.items():
             if frame is None:
@@ -202,7 +203,8 @@ class ObservationSynchronizer:
         if missing:
             with self._lock:
                 refused = self._problems.get(self.joint_state_topic, '')
-            reasons.append(f'joint state {self.joint_state_topic} lacks joints {missing}'
+            what = (f'lacks joints {missing}' if any_joint or refused else 'has no message yet')
+            reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({refused})' if refused else ''))
         if stale:
             ages = max(now - joints[n][1] for n in stale)

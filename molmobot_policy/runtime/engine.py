@@ -55,7 +55,7 @@ class EngineConfig:
         norm_stats_key: dataset key of the checkpoint's normalization stats
             (`stats_by_repo`, e.g. 'synthmanip'); '' = the checkpoint's default_repo_id.
         device: 'cpu', 'cuda', 'cuda:1', ...
-        dtype: serving dtype of the weights: 'float32' or 'bfloat16'.
+        dtype: serving dtype of the weights: 'float32', 'bfloat16' or 'float16'.
         seed: seed of the random weights (no checkpoint) and of the flow noise.
         flow_steps: Euler steps; 0 = the model config's (10 upstream).
         num_cameras: images per observation; 0 = the model's max_images.
@@ -76,8 +76,9 @@ class EngineConfig:
             (`runtime.fused_dit`; CUDA, bf16/fp16, with kv_cache): 'auto' (default) uses it
             when the engine compiles or captures graphs and the kernel can serve the model,
             else the compiled blocks, with a log line saying why; 'on' requires it (error
-            otherwise); 'off' never. Same math within bf16 rounding (closer to float32 than
-            the blocks: the residual stream stays float32 in the kernel).
+            otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
+            runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
+            the residual stream stays float32 in the kernel).
         instruction: default instruction, used when an observation carries none.
         gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
             of one action dimension (index -1 = off), in robot units.
@@ -120,12 +121,21 @@ class EngineConfig:
         if self.gripper_index < -1:
             raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
                              f'{self.gripper_index}')
+        if isinstance(self.fused_action_expert, bool):
+            self.fused_action_expert = 'on' if self.fused_action_expert else 'off'
         if self.fused_action_expert not in FUSED_AE_MODES:
             raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
                              f'{self.fused_action_expert!r}')
-        if self.fused_action_expert == 'on' and not self.kv_cache:
-            raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads the '
-                             'cached cross-attention K/V)')
+        if self.fused_action_expert == 'on':
+            if not self.kv_cache:
+                raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads '
+                                 'the cached cross-attention K/V)')
+            if not self.device.startswith('cuda'):
+                raise ValueError(f'fused_action_expert=on needs a CUDA device, got '
+                                 f'device={self.device!r}')
+            if self.dtype == 'float32':
+                raise ValueError("fused_action_expert=on needs dtype 'bfloat16' or 'float16', "
+                                 "got 'float32'")
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
@@ -235,6 +245,7 @@ class PolicyEngine:
             wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
             self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
         self._conditioning = self._precompute_conditioning()
+        self.fused_reason = ''     # why the fused kernel is not used ('' when it is)
         self._fused_blocks = self._make_fused_blocks()
         self._text_cache: dict[str, TextInputs] = {}
         self._runners: dict[int, StaticRunner] = {}
@@ -281,15 +292,21 @@ class PolicyEngine:
         that step's precomputed tables; None where `fused_action_expert` or the hardware says
         the compiled blocks run instead. Raises ValueError when 'on' and it cannot serve."""
         c = self.config
-        if c.fused_action_expert == 'off' or not c.kv_cache:
+        if c.fused_action_expert == 'off':
+            self.fused_reason = 'fused_action_expert=off'
+            return None
+        if not c.kv_cache:
+            self.fused_reason = 'kv_cache=false'
             return None
         if c.fused_action_expert == 'auto' and not (c.compile or c.cuda_graphs):
+            self.fused_reason = 'neither compile nor cuda_graphs'
             return None
         from molmobot_policy.runtime import fused_dit
         reason = fused_dit.unavailable_reason(self.model.action_expert, self.device, self.dtype)
         if reason:
             if c.fused_action_expert == 'on':
                 raise ValueError(f'fused_action_expert=on, but the kernel cannot serve: {reason}')
+            self.fused_reason = reason
             log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
             return None
         step = fused_dit.FusedDiTStep(self.model.action_expert)
@@ -551,7 +568,8 @@ class PolicyEngine:
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
                 'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
-                'fused_action_expert': 'on' if self._fused_blocks is not None else 'off',
+                'fused_action_expert': 'on' if self._fused_blocks is not None
+                else f'off ({self.fused_reason})',
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
 

@@ -66,10 +66,10 @@ def unavailable_reason(ae, device: torch.device, dtype: torch.dtype, batch: int 
     ae: `ActionExpert`; device, dtype: serving device and parameter dtype; batch: queries per
     call (the engine serves 1).
     """
-    if triton is None:
-        return 'triton is not installed'
     if device.type != 'cuda':
         return f'needs a CUDA device, serving on {device}'
+    if triton is None:
+        return 'triton is not installed'
     if dtype not in (torch.bfloat16, torch.float16):
         return f'needs bfloat16 or float16 weights, got {dtype}'
     if batch != 1:
