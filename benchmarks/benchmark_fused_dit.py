@@ -5,10 +5,12 @@ to an aligned 1680-token context: a 1664-token bucket + 1 state token, padded to
 weights N(0, 0.02), bf16), precomputes the context and the 10 steps' conditioning as the
 engine does, and replays the 10-step loop as one CUDA graph in these variants:
 
-- `torch`: the blocks compiled as the engine compiles them (what shipped before the kernel);
+- `torch`: the blocks compiled as the engine compiles them (`fused_action_expert: off`);
 - `persistent`: `molmobot_policy.runtime.fused_dit.FusedDiTStep`, one launch per flow step
-  with grid barriers between phases, default tiles, then a few other tile shapes;
-- `phased`: the same kernel launched once per phase (8 x 36 launches per step, no barrier);
+  with grid barriers between phases (the default), then variants (TILE_VARIANTS: fc2 not
+  split, atomic-read barrier wait, smaller K chunks) and the barriers alone (SKIP: the
+  phases left out, so its output is wrong by design: it times the synchronization);
+- `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
 Each row: median / p99 ms over `--iters` replays, warm-up + capture seconds, max |difference|
