@@ -48,7 +48,7 @@ def test_fused_action_expert_matches_the_blocks_within_bf16_noise(graphed):
                                        instruction=INSTRUCTION, fused_action_expert='off'),
                           model=graphed.model)
     blocks.warmup()
-    assert blocks.mode['fused_action_expert'] == 'off (fused_action_expert=off)'
+    assert blocks.mode['fused_action_expert'] == 'off (as configured)'
     a = graphed.predict(observation(), noise=noise()).actions_normalized
     b = blocks.predict(observation(), noise=noise()).actions_normalized
     assert np.abs(a - b).max() < 0.05     # bf16 rounding through 4 blocks x 10 steps

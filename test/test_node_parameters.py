@@ -105,6 +105,6 @@ def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected
 
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
     with pytest.raises(ValueError, match=r"parameter 'quantize': False is not a valid str.*"
-                                         r"quote the value"):
+                                         r"write one of the values listed"):
         _node(ros_context, [Parameter('autostart', value=False),
                             Parameter('quantize', value=False)], 'param_bool_str')

@@ -192,7 +192,7 @@ PARAMETERS = {
         constraints="'error' (refuse the observation) or 'truncate' (cut words from the end "
                     "of the instruction)")),
     'vit_fp32_attention': (False, _descriptor(
-        "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.6x faster "
+        "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
         'ViT on an H200)', _B)),
     'fused_action_expert': ('auto', _bool_or_string_descriptor(
         "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
@@ -302,7 +302,8 @@ class PolicyNode(LifecycleNode):
                        if descriptor.additional_constraints else '')
                     + ('; write floats with a decimal point, e.g. 0.0' if isinstance(default, float)
                        else '')
-                    + ("; YAML reads on/off/yes/no as booleans: quote the value, e.g. 'off'"
+                    + ('; YAML reads unquoted on/off/yes/no/true/false as booleans: write one '
+                       'of the values listed'
                        if isinstance(default, str) and isinstance(value, bool) else '')
                     + f'): {error}') from None
         self.add_on_set_parameters_callback(self._validate_parameters)
