@@ -89,9 +89,13 @@ def _default_engine_factory(config: dict):
 def _descriptor(description: str, type_: int, read_only: bool = True,
                 float_range: tuple[float, float] | None = None,
                 int_range: tuple[int, int] | None = None,
-                constraints: str = '') -> ParameterDescriptor:
+                constraints: str = '', dynamic: bool = False) -> ParameterDescriptor:
+    """dynamic: leave the parameter's type open (on_configure converts the value) where rclpy
+    would otherwise refuse what a user writes: a list whose default is empty (rclpy infers
+    BYTE_ARRAY from [] and then refuses `buckets: [448, 512]`), or a string whose values
+    include on / off (YAML and `-p name:=on` read those as booleans)."""
     descriptor = ParameterDescriptor(description=description, type=type_, read_only=read_only,
-                                     additional_constraints=constraints)
+                                     additional_constraints=constraints, dynamic_typing=dynamic)
     if float_range is not None:
         descriptor.floating_point_range = [
             FloatingPointRange(from_value=float_range[0], to_value=float_range[1])]
@@ -105,23 +109,6 @@ _D, _B = ParameterType.PARAMETER_DOUBLE, ParameterType.PARAMETER_BOOL
 _I, _IA = ParameterType.PARAMETER_INTEGER, ParameterType.PARAMETER_INTEGER_ARRAY
 _DA = ParameterType.PARAMETER_DOUBLE_ARRAY
 
-
-
-def _list_descriptor(description: str, type_: int) -> ParameterDescriptor:
-    """For a list parameter whose default is empty: rclpy infers BYTE_ARRAY from [] and then
-    refuses e.g. `buckets: [448, 512]` from a parameter file, so its type is left dynamic
-    (on_configure converts the value)."""
-    descriptor = _descriptor(description, type_)
-    descriptor.dynamic_typing = True
-    return descriptor
-
-
-def _bool_or_string_descriptor(description: str, constraints: str) -> ParameterDescriptor:
-    """For a string parameter whose values include on / off: YAML and `-p name:=on` read those
-    as booleans, so the type is left dynamic and on_configure maps true/false to 'on'/'off'."""
-    descriptor = _descriptor(description, _S, constraints=constraints)
-    descriptor.dynamic_typing = True
-    return descriptor
 
 
 # name: (default, descriptor). read_only where a change after configure/activate is unsafe.
@@ -148,9 +135,9 @@ PARAMETERS = {
     'smoothing': ('none', _descriptor(
         'joining a new chunk to the previous one (timing.ChunkStitcher)', _S,
         constraints="'none' or 'linear' (cross-fade over the overlap)")),
-    'max_step': ([], _list_descriptor(
+    'max_step': ([], _descriptor(
         'largest change per joint between consecutive points, robot units (rad); empty: no '
-        'limit, one value: all joints, else one per action joint', _DA)),
+        'limit, one value: all joints, else one per action joint', _DA, dynamic=True)),
     'max_image_age': (0.5, _descriptor(
         'seconds; a camera whose newest header stamp is older is stale and the tick skipped',
         _D, read_only=False, float_range=(0.0, 3600.0))),
@@ -194,16 +181,17 @@ PARAMETERS = {
     'vit_fp32_attention': (False, _descriptor(
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
         'ViT on an H200)', _B)),
-    'fused_action_expert': ('auto', _bool_or_string_descriptor(
+    'fused_action_expert': ('auto', _descriptor(
         "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
-        'float16, kv_cache true)',
-        "'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / true "
-        "(required: configure fails where it cannot serve), 'off' / false")),
+        'float16, kv_cache true)', _S,
+        constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / "
+                    "true (required: configure fails where it cannot serve), 'off' / false",
+        dynamic=True)),
     'kv_cache': (True, _descriptor(
         "compute the action expert's cross-attention K/V once per query (false: every flow "
         'step, for comparison only)', _B)),
-    'buckets': ([], _list_descriptor(
-        'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA)),
+    'buckets': ([], _descriptor(
+        'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
     'output_topic': ('~/joint_trajectory', _descriptor(
         'trajectory_msgs/JointTrajectory output topic', _S)),
     'publish_float_array': (False, _descriptor(
