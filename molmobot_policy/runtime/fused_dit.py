@@ -239,6 +239,20 @@ if triton is not None:
         tl.store(st_ptr + (NTP + tile) * BT + rows, tl.sum(x * x, axis=1))
 
     @triton.jit
+    def _proj_residual(a_ptr, w_ptr, x_ptr, st_ptr, xm_ptr, next_scale_ptr, bias_ptr, gate_ptr,
+                       pid, n_progs, T, K: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, NTP: tl.constexpr,
+                       STAGES: tl.constexpr):
+        """x += gate * (a @ W^T + bias) over this program's output tiles; a (T, K) scratch,
+        W (D, K) (`_linear`, then `_gated_residual`)."""
+        n_tiles = (D + BN - 1) // BN
+        for t in range(pid, n_tiles, n_progs):
+            n0 = t * BN
+            acc = _linear(a_ptr, w_ptr, n0, D, T, K, BT, BN, BK, STAGES)
+            _gated_residual(x_ptr, st_ptr, xm_ptr, next_scale_ptr, acc, bias_ptr, gate_ptr, n0,
+                            T, D, BT, BN, NTP)
+
+    @triton.jit
     def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, mod_ptr,
                wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
@@ -294,12 +308,8 @@ if triton is not None:
                 o = tl.dot(prob, v).to(dtype)
                 tl.store(o2_ptr + rows[:, None] * D + hh * HD + ds[None, :], o, mask=qm)
         elif p == 2:    # self-attention proj + gated residual
-            n_tiles = (D + BN - 1) // BN
-            for t in range(pid, n_tiles, n_progs):
-                n0 = t * BN
-                acc = _linear(o2_ptr, wo1 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, xm_ptr, mod + 4 * D, acc, bo1 + blk * D,
-                                mod + 2 * D, n0, T, D, BT, BN, NTP)
+            _proj_residual(o2_ptr, wo1 + blk * D * D, x_ptr, st_ptr, xm_ptr, mod + 4 * D,
+                           bo1 + blk * D, mod + 2 * D, pid, n_progs, T, D, D, BT, BN, BK, NTP, S2)
         elif p == 3:    # cross-attention queries, pre-scaled
             n_tiles = (D + BN - 1) // BN
             for t in range(pid, n_tiles, n_progs):
@@ -352,12 +362,8 @@ if triton is not None:
                 out = tl.sum(o * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
                 tl.store(o2_ptr + r * D + h * HD + ds, out.to(dtype), mask=ds < HD)
         elif p == 6:    # cross-attention proj + gated residual
-            n_tiles = (D + BN - 1) // BN
-            for t in range(pid, n_tiles, n_progs):
-                n0 = t * BN
-                acc = _linear(o2_ptr, wo2 + blk * D * D, n0, D, T, D, BT, BN, BK, S2)
-                _gated_residual(x_ptr, st_ptr, xm_ptr, mod + 7 * D, acc, bo2 + blk * D,
-                                mod + 5 * D, n0, T, D, BT, BN, NTP)
+            _proj_residual(o2_ptr, wo2 + blk * D * D, x_ptr, st_ptr, xm_ptr, mod + 7 * D,
+                           bo2 + blk * D, mod + 5 * D, pid, n_progs, T, D, D, BT, BN, BK, NTP, S2)
         elif p == 7:    # MLP fc1 + exact GELU
             n_tiles = (F + BNW - 1) // BNW
             for t in range(pid, n_tiles, n_progs):
@@ -373,11 +379,9 @@ if triton is not None:
         else:           # MLP fc2 + gated residual
             n_tiles = (D + BN - 1) // BN
             if KS2 == 1:
-                for t in range(pid, n_tiles, n_progs):
-                    n0 = t * BN
-                    acc = _linear(act_ptr, w2 + blk * D * F, n0, D, T, F, BT, BN, BK, S2)
-                    _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc, b2 + blk * D,
-                                    mod + 8 * D, n0, T, D, BT, BN, NTP)
+                _proj_residual(act_ptr, w2 + blk * D * F, x_ptr, st_ptr, xm_ptr, next_mod + D,
+                               b2 + blk * D, mod + 8 * D, pid, n_progs, T, F, D, BT, BN, BK, NTP,
+                               S2)
             else:       # K split in two halves; the later of the two adds and updates x
                 half: tl.constexpr = F // 2
                 cols = tl.arange(0, BN)
