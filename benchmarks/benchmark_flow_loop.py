@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
 
 import fused_dit_kernels as fdk  # noqa: E402
+from benchmark_fused_dit import build  # noqa: E402
 from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
-from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
 from profile_stages import time_runner  # noqa: E402
 
@@ -179,27 +179,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device('cuda' if cuda else 'cpu')
-    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam' if cuda else 'tiny')
-    context = args.context if cuda else 40
-    torch.manual_seed(0)
-    ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
-                             cfg.action_horizon, cfg.states_mode)
-    with torch.no_grad():
-        for p in ae.parameters():
-            p.normal_(0.0, 0.02)
     dtype = torch.bfloat16 if cuda else torch.float32
-    ae = ae.to(dev, dtype).eval()
+    ae, hidden, mask, states, noise = build(args.context if cuda else 40, dev,
+                                            'molmobot-4b-8cam' if cuda else 'tiny', dtype)
     steps = 10
     with torch.inference_mode():
-        hidden = torch.randn(len(ae.blocks), 1, context, cfg.llm.d_model, device=dev,
-                             dtype=dtype)
-        mask = torch.ones(1, context, dtype=torch.bool, device=dev)
-        mask[:, -25:] = False                           # some padding, as in a bucket
-        states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev, dtype=dtype)
         ctx = ae.prepare_context(hidden, mask, states)
         cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
                 for i in range(steps)]
-        noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, device=dev)
 
         def loop_fn(noise, keys, values, mask_bias, state_tokens):
             c = ae_mod.ActionExpertContext(keys, values, mask_bias, state_tokens)

@@ -49,17 +49,20 @@ TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module def
 }
 
 
-def build(context: int, dev: torch.device):
-    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
+def build(context: int, dev: torch.device, preset: str = 'molmobot-4b-8cam',
+          dtype: torch.dtype = torch.bfloat16):
+    """The action expert of `preset` alone, random N(0, 0.02) weights in `dtype`, and one
+    query's inputs: LLM hidden states (one per block, `context` tokens, the last 25 masked as
+    bucket padding), the float32 state and the flow noise."""
+    cfg = MolmoBotConfig.from_name(preset)
     torch.manual_seed(0)
     ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
                              cfg.action_horizon, cfg.states_mode)
     with torch.no_grad():
         for p in ae.parameters():
             p.normal_(0.0, 0.02)
-    ae = ae.to(dev, torch.bfloat16).eval()
-    hidden = torch.randn(len(ae.blocks), 1, context, cfg.llm.d_model, device=dev,
-                         dtype=torch.bfloat16)
+    ae = ae.to(dev, dtype).eval()
+    hidden = torch.randn(len(ae.blocks), 1, context, cfg.llm.d_model, device=dev, dtype=dtype)
     mask = torch.ones(1, context, dtype=torch.bool, device=dev)
     mask[:, -25:] = False                           # some padding, as in a bucket
     states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev)
