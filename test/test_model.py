@@ -202,6 +202,64 @@ def test_cached_action_expert_equals_uncached_bitwise(models_by_dtype_and_mode, 
     assert torch.equal(x_cached, x_ref)
 
 
+def per_block_key_values(ae, hidden, state_tokens):
+    """Every block's K/V computed block by block, as the upstream loop does."""
+    keys, values = [], []
+    for block, hidden_i in zip(ae.blocks, hidden.unbind(0)):
+        ctx = ae.context_norm(ae.context_proj(hidden_i))
+        if ae.states_mode == 'cross_attn':
+            ctx = torch.cat([ctx, state_tokens], dim=1)
+        ctx = torch.nn.functional.pad(ctx, (0, 0, 0, -ctx.shape[1] % 16))
+        k, v = block.attn2.key_values(ctx)
+        keys.append(k)
+        values.append(v)
+    return torch.stack(keys), torch.stack(values)
+
+
+@pytest.mark.parametrize('mode', ['cross_attn', 'self_attn'])
+def test_batched_context_key_values_equal_the_per_block_loop(models_by_dtype_and_mode, mode):
+    model = models_by_dtype_and_mode[torch.float32, mode]
+    ae = model.action_expert
+    ids, images, pool, states, _ = make_inputs()
+    with torch.no_grad():
+        hidden = model.select_ae_layers(model.llm_hidden_states(ids, images, pool))
+        tokens = ae.encode_states(states)
+        keys, values = ae.context_key_values(hidden, tokens)
+        ref_keys, ref_values = per_block_key_values(ae, hidden, tokens)
+    heads = TINY.action_expert.num_heads
+    n_ctx = ids.shape[1] + (1 if mode == 'cross_attn' else 0)
+    assert keys.shape == (len(ae.blocks), 2, heads, -(-n_ctx // 16) * 16,
+                          TINY.action_expert.hidden_size // heads)
+    torch.testing.assert_close(keys, ref_keys, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_kv_projections_keep_weights_keys_and_results():
+    model = random_model(TINY, seed=4)
+    ae = model.action_expert
+    ids, images, pool, states, _ = make_inputs()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        hidden = model.llm_hidden_states(ids, images, pool)
+        tokens = ae.encode_states(states)
+        unstacked = ae.context_key_values(hidden, tokens)
+        ae.stack_kv_projections_()
+        ae.stack_kv_projections_()                       # idempotent
+        stacked = ae._stacked_kv_projections()
+        assert stacked is not None
+        for i, block in enumerate(ae.blocks):            # the parameters are views of it
+            assert block.attn2.kv_proj.weight.data_ptr() == stacked[0][i].data_ptr()
+        after = model.state_dict()
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        assert all(torch.equal(a, b) for a, b in zip(ae.context_key_values(hidden, tokens),
+                                                     unstacked))
+        # loading other weights writes through the views: still stacked, new values used
+        model.load_state_dict(random_model(TINY, seed=5).state_dict())
+        assert ae._stacked_kv_projections() is not None
+        assert not torch.equal(ae.context_key_values(hidden, tokens)[0], unstacked[0])
+
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_precomputed_time_conditioning_equals_per_step_bitwise(models_by_dtype_and_mode, dtype):
     model = models_by_dtype_and_mode[dtype, 'cross_attn']

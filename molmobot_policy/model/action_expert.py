@@ -215,21 +215,72 @@ class ActionExpert(nn.Module):
         padded = F.pad(states.to(self.dtype), (0, h - states.shape[-1]))
         return self.state_norm(self.state_encoder(padded))
 
-    def block_context(self, hidden_i: torch.Tensor, state_tokens: torch.Tensor) -> torch.Tensor:
-        """hidden_i (B, L, llm_dim) -> context (B, S, hidden) of one block, S = L (+ n_obs
-        state tokens) rounded up to a multiple of CONTEXT_ALIGN with zero rows, which
+    def context_key_values(self, hidden: torch.Tensor,
+                           state_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block's cross-attention K/V from its LLM layer, all blocks at once.
+
+        hidden (n_blocks, B, L, llm_dim); state_tokens (B, n_obs, hidden) -> keys, values
+        (n_blocks, B, H, S, head_dim) in the parameter dtype. Block i's context is
+        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L
+        (+ n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
         `cross_mask_bias` masks out: aligned K/V rows keep the cross-attention matmuls on
         the fast vectorized kernels (an odd S, e.g. 1664 + 1, was 8 ms slower per query on
-        an H200); masked rows get exactly zero probability, so the result is unchanged."""
-        ctx = self.context_norm(self.context_proj(hidden_i.to(self.dtype)))
+        an H200); masked rows get exactly zero probability, so the result is unchanged.
+        One GEMM projects every layer (context_proj is shared), one LayerNorm, one batched
+        GEMM applies each block's kv_proj (stacked once by `stack_kv_projections_`, else
+        per call): a handful of kernels where a loop over the blocks launched ~230.
+        """
+        n, b = hidden.shape[:2]
+        ctx = self.context_norm(self.context_proj(hidden.to(self.dtype)))
         if self.states_mode == 'cross_attn':
-            ctx = torch.cat([ctx, state_tokens], dim=1)
-        return F.pad(ctx, (0, 0, 0, -ctx.shape[1] % CONTEXT_ALIGN))
+            ctx = torch.cat([ctx, state_tokens.unsqueeze(0).expand(n, -1, -1, -1)], dim=2)
+        ctx = F.pad(ctx, (0, 0, 0, -ctx.shape[2] % CONTEXT_ALIGN))
+        s, d = ctx.shape[2], ctx.shape[3]
+        weight, bias = self._kv_projections()
+        kv = torch.baddbmm(bias.unsqueeze(1), ctx.reshape(n, b * s, d), weight.transpose(1, 2))
+        attn = self.blocks[0].attn2
+        kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
+        return (kv[:, :, :, 0].transpose(2, 3).contiguous(),
+                kv[:, :, :, 1].transpose(2, 3).contiguous())
+
+    def stack_kv_projections_(self) -> None:
+        """Re-points every block's `attn2.kv_proj` weight and bias into one stacked tensor
+        ((n_blocks, 2 hidden, hidden) and (n_blocks, 2 hidden)), in place and idempotent;
+        values and state-dict keys are unchanged. `context_key_values` then reads them
+        without stacking a copy per query. Moving the module (`.to`) undoes it harmlessly."""
+        if self._stacked_kv_projections() is not None:
+            return
+        with torch.no_grad():
+            for kind in ('weight', 'bias'):
+                params = [getattr(block.attn2.kv_proj, kind) for block in self.blocks]
+                stacked = torch.stack([p.detach() for p in params])
+                for i, p in enumerate(params):
+                    p.data = stacked[i]
+                self.__dict__['_kv_stack_' + kind] = stacked   # not a buffer: a view holder
+
+    def _stacked_kv_projections(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        weight = self.__dict__.get('_kv_stack_weight')
+        bias = self.__dict__.get('_kv_stack_bias')
+        if weight is None or bias is None:
+            return None
+        for i, block in enumerate(self.blocks):
+            proj = block.attn2.kv_proj
+            if (proj.weight.data_ptr() != weight[i].data_ptr()
+                    or proj.bias.data_ptr() != bias[i].data_ptr()):
+                return None
+        return weight, bias
+
+    def _kv_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        stacked = self._stacked_kv_projections()
+        if stacked is not None:
+            return stacked
+        return (torch.stack([block.attn2.kv_proj.weight for block in self.blocks]),
+                torch.stack([block.attn2.kv_proj.bias for block in self.blocks]))
 
     def cross_mask_bias(self, encoder_mask: torch.Tensor, n_obs: int) -> torch.Tensor:
         """encoder_mask bool (B, L), True = valid -> additive (B, 1, 1, S): (1 - m) * finfo.min,
         state tokens always visible in cross_attn mode, alignment rows never (S as in
-        `block_context`)."""
+        `context_key_values`)."""
         m = encoder_mask
         if self.states_mode == 'cross_attn':
             m = torch.cat([m, m.new_ones(m.shape[0], n_obs)], dim=1)
@@ -255,12 +306,8 @@ class ActionExpert(nn.Module):
         """
         self._check_context_inputs(hidden, encoder_mask)
         state_tokens = self.encode_states(states)
-        keys, values = [], []
-        for block, hidden_i in zip(self.blocks, hidden.unbind(0)):
-            k, v = block.attn2.key_values(self.block_context(hidden_i, state_tokens))
-            keys.append(k)
-            values.append(v)
-        return ActionExpertContext(torch.stack(keys), torch.stack(values),
+        keys, values = self.context_key_values(hidden, state_tokens)
+        return ActionExpertContext(keys, values,
                                    self.cross_mask_bias(encoder_mask, states.shape[1]),
                                    state_tokens)
 
@@ -317,8 +364,8 @@ class ActionExpert(nn.Module):
         bias = self.cross_mask_bias(encoder_mask, states.shape[1])
         c = self.embed_time(t)
         x = self.embed_actions(x_t, state_tokens)
-        for block, hidden_i in zip(self.blocks, hidden.unbind(0)):
-            k, v = block.attn2.key_values(self.block_context(hidden_i, state_tokens))
+        keys, values = self.context_key_values(hidden, state_tokens)
+        for block, k, v in zip(self.blocks, keys, values):
             x = block(x, block.modulation(c), k, v, bias)
         x = x[:, x.shape[1] - x_t.shape[1]:]
         return self.final_layer(x, self.final_layer.modulation(c))
