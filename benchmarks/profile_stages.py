@@ -69,12 +69,18 @@ def main() -> None:
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--iters', type=int, default=20)
     ap.add_argument('--out', default='benchmarks/out/stages.json')
+    ap.add_argument('--buckets', default='1664,1856',
+                    help="prompt padding buckets as the ladder uses; '' for the unpadded prompt")
+    ap.add_argument('--variants', action='store_true',
+                    help='also time the old what-if variants (fp32 ViT attention, unmasked '
+                         'LLM, max-autotune blocks)')
     args = ap.parse_args()
 
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     graphs = device == 'cuda'
+    buckets = tuple(int(b) for b in args.buckets.split(',') if b)
     engine = PolicyEngine(EngineConfig(model=args.preset, device=device, dtype='bfloat16',
-                                       compile=True, instruction=INSTRUCTION))
+                                       compile=True, instruction=INSTRUCTION, buckets=buckets))
     model, ae = engine.model, engine.model.action_expert
     text = engine.text_inputs(INSTRUCTION)
     rng = np.random.default_rng(0)
@@ -102,12 +108,18 @@ def main() -> None:
         def context_fn(hidden, attention_mask, states):
             return ae.prepare_context(hidden, attention_mask, states).keys
 
-        def loop_fn(noise, keys, values, mask_bias, state_tokens):
+        fused = engine._fused_blocks     # the engine's fused DiT kernel (None: not used)
+
+        def loop_fn(noise, keys, values, mask_bias, state_tokens, use_fused=True):
             c = ActionExpertContext(keys, values, mask_bias, state_tokens)
             x = noise
             for i in range(steps):
-                x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], c)
+                blocks_fn = fused[i] if fused and use_fused else None
+                x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], c, blocks_fn)
             return x
+
+        def loop_blocks_fn(**kw):
+            return loop_fn(**kw, use_fused=False)
 
         def llm_blocks_no_mask_fn(x, position_ids):
             return model.transformer(x, position_ids, None)
@@ -120,10 +132,13 @@ def main() -> None:
             'flow_loop': (loop_fn, dict(noise=noise, keys=ctx.keys, values=ctx.values,
                                         mask_bias=ctx.mask_bias, state_tokens=ctx.state_tokens)),
         }
-        x_emb = model.embed_inputs(text.input_ids, images, text.token_pooling,
-                                   text.image_positions)
-        stages['llm blocks, no mask (flash)'] = (llm_blocks_no_mask_fn,
-                                                 dict(x=x_emb, position_ids=text.position_ids))
+        if fused:
+            stages['flow_loop, compiled blocks'] = (loop_blocks_fn, stages['flow_loop'][1])
+        if args.variants:
+            x_emb = model.embed_inputs(text.input_ids, images, text.token_pooling,
+                                       text.image_positions)
+            stages['llm blocks, no mask (flash)'] = (llm_blocks_no_mask_fn,
+                                                     dict(x=x_emb, position_ids=text.position_ids))
         results, kernels = {}, {}
         for name, (fn, inputs) in stages.items():
             runner = StaticRunner(fn, inputs, cuda_graph=graphs)
@@ -146,27 +161,30 @@ def main() -> None:
                 if unpatch:
                     unpatch()
 
-        # variant: ViT attention in float32 (upstream) for comparison with the bf16 default
-        from molmobot_policy.runtime.engine import set_vit_fp32_attention_
-        variant('vision, fp32 attention', vision_fn, stages['vision'][1],
-                lambda: set_vit_fp32_attention_(model, True),
-                lambda: set_vit_fp32_attention_(model, False))
+        if args.variants:
+            # variant: ViT attention in float32 (upstream), against the bf16 default
+            from molmobot_policy.runtime.engine import set_vit_fp32_attention_
+            variant('vision, fp32 attention', vision_fn, stages['vision'][1],
+                    lambda: set_vit_fp32_attention_(model, True),
+                    lambda: set_vit_fp32_attention_(model, False))
 
-        # variant: action-expert blocks compiled with max-autotune (Triton GEMM templates,
-        # epilogue fusion)
-        def autotune():
-            for block in ae.blocks:
-                block.compile(dynamic=False, fullgraph=True, mode='max-autotune-no-cudagraphs')
-        variant('flow_loop, max-autotune', loop_fn, stages['flow_loop'][1], autotune)
+            # variant: action-expert blocks compiled with max-autotune (Triton GEMM templates,
+            # epilogue fusion)
+            def autotune():
+                for block in ae.blocks:
+                    block.compile(dynamic=False, fullgraph=True,
+                                  mode='max-autotune-no-cudagraphs')
+            variant('flow_loop, max-autotune', loop_blocks_fn, stages['flow_loop'][1], autotune)
 
-    print(f'\nprompt {text.length} tokens (unpadded)')
+    print(f'\nprompt {text.length} tokens, padded to {text.bucket or text.length}')
     for name, rows in kernels.items():
         print(f'\n== {name}')
         for kname, ms, count in rows:
             print(f'  {ms:9.3f} ms  {count:6d}  {kname}')
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
-        json.dump({'stages_ms': results, 'kernels': kernels, 'prompt_tokens': text.length}, f,
+        json.dump({'stages_ms': results, 'kernels': kernels, 'prompt_tokens': text.length,
+                   'padded_to': text.bucket or text.length}, f,
                   indent=1)
 
 

@@ -83,3 +83,36 @@ def test_interpreted_kernel_with_fc2_unsplit_agrees():
     """KS2=1 (fc2 in one piece per tile) against the default split-K fc2: same math."""
     r = run_check('cross_attn', True, {'KS2': 1})
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+
+
+@pytest.mark.parametrize('states_mode, padded', [('cross_attn', True), ('self_attn', False)])
+def test_interpreted_kernel_with_the_self_attention_folded_into_qkv_agrees(states_mode, padded):
+    """FA=1 (the default at full size): each head's self-attention runs in phase 0, by the
+    program that wrote the head's last q|k|v tile. 16-column tiles over 12-wide heads make
+    tiles touch two heads each; self_attn mode has 17 tokens (two row tiles)."""
+    r = run_check(states_mode, padded, {'BNW': 16, 'FA': 1})
+    assert r['shape_ok']
+    assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+
+
+def test_keys_and_values_with_different_strides_are_refused():
+    """The kernel reads K and V with one set of strides; a mismatch is an error, not
+    garbage (checked before anything is compiled or launched)."""
+    import torch
+
+    from molmobot_policy.model import checkpoint as ckpt
+    from molmobot_policy.model.action_expert import ActionExpertContext
+    from molmobot_policy.model.config import MolmoBotConfig
+    from molmobot_policy.runtime import fused_dit
+
+    cfg = MolmoBotConfig.from_name('tiny')
+    ae = ckpt.random_model(cfg, seed=0, dtype=torch.float16).action_expert
+    n, d, h = len(ae.blocks), cfg.action_expert.hidden_size, cfg.action_expert.num_heads
+    keys = torch.zeros(n, 1, h, 32, d // h, dtype=torch.float16)
+    values = torch.zeros(n, 1, 32, h, d // h, dtype=torch.float16).transpose(2, 3)
+    ctx = ActionExpertContext(keys, values, torch.zeros(1, 1, 1, 32, dtype=torch.float16),
+                              torch.zeros(1, 1, d, dtype=torch.float16))
+    step = fused_dit.FusedDiTStep(ae, phased=True)
+    with pytest.raises(ValueError, match='one set of strides'):
+        step(torch.zeros(1, 16, d, dtype=torch.float16),
+             torch.zeros(n, 9, 1, d, dtype=torch.float16), ctx)

@@ -133,6 +133,20 @@ def test_image_features_are_added_at_im_patch_positions_only(model):
     assert not torch.equal(x[is_patch], plain[is_patch])
 
 
+def test_single_query_attention_equals_sdpa_with_the_window_mask():
+    """The pooling windows' attention (1 query, 4 keys, padded keys masked) written as
+    products and sums equals SDPA."""
+    from molmobot_policy.model.vision import single_query_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, 4, n, 12, generator=g) for n in (1, 4, 4))
+    mask = torch.rand(30, 1, 1, 4, generator=g) > 0.4
+    mask[..., 2] = True                                  # every window keeps one key
+    out = single_query_attention(q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert not mask.all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_ln_f_is_not_on_the_action_path():
     model = random_model(TINY, seed=2)
     ids, images, pool, states, _ = make_inputs()

@@ -26,6 +26,23 @@ def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.to(q.dtype)
 
 
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query over a few keys as float32 products and sums.
+
+    q: (..., H, 1, hd), k/v: (..., H, Tk, hd); attn_mask bool broadcastable to (..., H, 1, Tk),
+    True = may attend. Returns (..., H, 1, hd) in q's dtype. For the connector's 2x2 pooling
+    windows (1 query, 4 keys, 1568 windows x 16 heads for 8 images): SDPA ran it as one fused
+    kernel of 0.31 ms on an H200, these few elementwise kernels read the same 15 MB once.
+    """
+    scores = (q.float() * k.float()).sum(-1, keepdim=True).transpose(-1, -2)  # (.., H, 1, Tk)
+    scores = scores * q.shape[-1] ** -0.5
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float('-inf'))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs.transpose(-1, -2) * v.float()).sum(-2, keepdim=True).to(q.dtype)
+
+
 class ViTMultiHeadDotProductAttention(nn.Module):
     """Multi-head attention with biased wq/wk/wv/wo.
 
@@ -56,7 +73,9 @@ class ViTMultiHeadDotProductAttention(nn.Module):
         q = self.wq(x_q).view(b, tq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
-        if self.float32_attention:
+        if tq == 1 and tk <= 16:    # the pooling windows
+            out = single_query_attention(q, k, v, attn_mask)
+        elif self.float32_attention:
             out = fp32_attention(q, k, v, attn_mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)

@@ -172,11 +172,12 @@ def compile_repeated_blocks_(model) -> int:
     on_gpu = next(model.parameters()).is_cuda
     count = 0
     for blocks in groups:
-        # The ViT's LayerNorms reduce rows of 1152, just over Inductor's persistent-reduction
-        # limit (1024); `multi_kernel` compiles both forms and keeps the faster on the first
-        # call (before any graph capture): 0.8 ms of 11.1 for 8 images on an H200
-        # (benchmarks/RESULTS.md). The LLM blocks gained nothing from it.
-        options = {'triton.multi_kernel': 1} if on_gpu and blocks is vit_blocks else None
+        # The ViT's LayerNorm kernels (rows of 1152) run faster with Inductor's tuned launch
+        # configurations: 0.6 ms of 11.1 for 8 images on an H200 (benchmarks/RESULTS.md;
+        # the LLM blocks gained 0.01 ms). `triton.multi_kernel` gained 0.8 ms but crashes
+        # in torch 2.11 when a later process loads the compiled block from Inductor's cache.
+        options = ({'coordinate_descent_tuning': True} if on_gpu and blocks is vit_blocks
+                   else None)
         for block in blocks:
             if not getattr(block, '_molmobot_compiled', False):
                 block.compile(dynamic=False, fullgraph=True, options=options)
