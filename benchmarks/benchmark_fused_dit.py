@@ -7,12 +7,10 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
 
 - `torch`: the blocks compiled as the engine compiles them (`fused_action_expert: off`);
 - `persistent`: `molmobot_policy.runtime.fused_dit.FusedDiTStep`, one launch per flow step
-  with grid barriers between phases (the default), then variants (TILE_VARIANTS: the
-  self-attention as its own phase, fc2 not split, atomic-read barrier wait, smaller K
-  chunks) and the barriers alone (SKIP: the phases left out, so its output is wrong by
-  design: it times the synchronization);
-- `phased`: the same kernel launched once per phase (8 or 9 x 36 launches per step, no
-  barrier);
+  with grid barriers between phases (the default), then variants (TILE_VARIANTS: fc2 not
+  split, acquire-load barrier wait, smaller K chunks) and the barriers alone (SKIP: the
+  phases left out, so its output is wrong by design: it times the synchronization);
+- `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
 Each row: median / p99 ms over `--iters` replays, warm-up + capture seconds, max |difference|
@@ -44,7 +42,6 @@ from profile_stages import time_runner  # noqa: E402
 
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
     'persistent': {},
-    'persistent, self-attention as its own phase': {'FA': 0},
     'persistent, fc2 not split': {'KS2': 1},
     'persistent, acquire-load barrier wait': {'POLL': 1},
     'persistent BK=128': {'BK': 128, 'BKA': 128},

@@ -85,16 +85,6 @@ def test_interpreted_kernel_with_fc2_unsplit_agrees():
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
 
 
-@pytest.mark.parametrize('states_mode, padded', [('cross_attn', True), ('self_attn', False)])
-def test_interpreted_kernel_with_the_self_attention_folded_into_qkv_agrees(states_mode, padded):
-    """FA=1 (the default at full size): each head's self-attention runs in phase 0, by the
-    program that wrote the head's last q|k|v tile. 16-column tiles over 12-wide heads make
-    tiles touch two heads each; self_attn mode has 17 tokens (two row tiles)."""
-    r = run_check(states_mode, padded, {'BNW': 16, 'FA': 1})
-    assert r['shape_ok']
-    assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
-
-
 def test_keys_and_values_with_different_strides_are_refused():
     """The kernel reads K and V with one set of strides; a mismatch is an error, not
     garbage (checked before anything is compiled or launched)."""

@@ -7,13 +7,11 @@ benchmarks/RESULTS.md "Where the time goes"). Here one launch runs every block o
 step with all SMs: the 16 action tokens stay in a small float32 scratch (in L2), each phase
 of a block (below) is split over the whole grid, and the phases are separated by a grid-wide
 barrier (an atomic counter) instead of a kernel boundary. On an H200 the 10-step loop takes
-14.7 ms instead of 26.4 ms (benchmarks/benchmark_fused_dit.py; RESULTS.md "Fused DiT kernel").
+14.5 ms instead of 26.7 ms (benchmarks/benchmark_fused_dit.py; RESULTS.md "Fused DiT kernel").
 
 Phases of one block (B = 1, T <= 32 tokens; `DiTBlock.forward` is the reference):
   0. self q|k|v = (LN1(x) * (1 + scale1) + shift1) @ [Wq; Wkv]^T + b       (3D columns)
-  1. self-attention per head: softmax(q k^T / sqrt(hd)) v -> o; by default (FA = 1) run
-     inside phase 0 by the program that writes a head's last q|k|v tile (per-head arrival
-     counters), which saves one grid barrier per block
+  1. self-attention, one head per program: softmax(q k^T / sqrt(hd)) v -> o
   2. x += gate1 * (o @ Wo^T + bo)
   3. q2 = (LN2(x) * (1 + scale2) + shift2) @ Wq2^T + bq2, times 1/sqrt(hd)
   4. cross-attention partials per (head, 128-key chunk): row max, sum, P V (flash-decoding)
@@ -276,24 +274,6 @@ if triton is not None:
         tl.store(o2_ptr + rows[:, None] * D + hh * HD + ds[None, :], o, mask=qm)
 
     @triton.jit
-    def _tiles_over(lo, hi, BNW: tl.constexpr):
-        """How many BNW-column tiles intersect the columns [lo, hi)."""
-        return (hi - 1) // BNW - lo // BNW + 1
-
-    @triton.jit
-    def _arrive_heads(head_ctr, lo, hi, qkv_ptr, o2_ptr, T, sm_scale, D: tl.constexpr,
-                      HD: tl.constexpr, HDP: tl.constexpr, BT: tl.constexpr,
-                      BNW: tl.constexpr):
-        """After a q|k|v tile wrote the columns [lo, hi) of one section (q, k or v, offsets
-        within it): counts an arrival for every head they touch; the program that brings a
-        head's count to all its tiles (q, k and v sections) runs that head's attention."""
-        for hh in range(lo // HD, (hi - 1) // HD + 1):
-            expected = 3 * _tiles_over(hh * HD, (hh + 1) * HD, BNW)
-            old = tl.atomic_add(head_ctr + hh, 1, sem='acq_rel', scope='gpu')
-            if old % expected == expected - 1:
-                _self_attention_head(hh, qkv_ptr, o2_ptr, T, sm_scale, D, HD, HDP, BT)
-
-    @triton.jit
     def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, mod_ptr,
                wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
@@ -302,11 +282,8 @@ if triton is not None:
                D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                F: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NCP: tl.constexpr,
                BN: tl.constexpr, BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
-               NTP: tl.constexpr, S2: tl.constexpr, KS2: tl.constexpr, FA: tl.constexpr):
-        """Phase p of block `blk` (see the module docstring), work split over the grid.
-        FA = 1: phase 0 also runs the self-attention (each head by the program that wrote
-        its last q|k|v tile; per-head counters after the fc2 ones in `tiles_ptr`) and
-        phase 1 is empty."""
+               NTP: tl.constexpr, S2: tl.constexpr, KS2: tl.constexpr):
+        """Phase p of block `blk` (see the module docstring), work split over the grid."""
         dtype = wq1.dtype.element_ty
         mod = mod_ptr + blk * 9 * D      # shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
         uw = 4 * D + F                   # u / v of one block: self q|k|v, cross q, fc1
@@ -336,15 +313,9 @@ if triton is not None:
                 y = (acc + b.to(tl.float32)[None, :]).to(dtype)
                 tl.store(qkv_ptr + rows[:, None] * (3 * D) + col0 + ns[None, :], y,
                          mask=(rows[:, None] < T) & (ns[None, :] < lim))
-                if FA == 1:     # D % BNW == 0: a tile lies in one section (q, k or v)
-                    tl.debug_barrier()
-                    lo = col0 % D
-                    _arrive_heads(tiles_ptr + NTP, lo, lo + BNW, qkv_ptr, o2_ptr, T, sm_scale,
-                                  D, HD, HDP, BT, BNW)
         elif p == 1:    # self-attention, one head per program -> o (BT, D)
-            if FA == 0:
-                for hh in range(pid, H, n_progs):
-                    _self_attention_head(hh, qkv_ptr, o2_ptr, T, sm_scale, D, HD, HDP, BT)
+            for hh in range(pid, H, n_progs):
+                _self_attention_head(hh, qkv_ptr, o2_ptr, T, sm_scale, D, HD, HDP, BT)
         elif p == 2:    # self-attention proj + gated residual
             _proj_residual(o2_ptr, wo1 + blk * D * D, x_ptr, st_ptr, xm_ptr, mod + 4 * D,
                            bo1 + blk * D, mod + 2 * D, pid, n_progs, T, D, D, BT, BN, BK, NTP, S2)
@@ -451,13 +422,11 @@ if triton is not None:
                          BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
                          BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
                          NTP: tl.constexpr, S2: tl.constexpr, POLL: tl.constexpr,
-                         SKIP: tl.constexpr, KS2: tl.constexpr, FA: tl.constexpr,
-                         PHASE: tl.constexpr):
+                         SKIP: tl.constexpr, KS2: tl.constexpr, PHASE: tl.constexpr):
         """PHASE = -1: every phase of every block, grid barriers between them (persistent);
         PHASE = p >= 0: only phase p of block `blk_only` (one launch per phase).
         SKIP = 1 runs the barriers alone (benchmarks: their cost). sync: int32, zero at
-        launch: [0] the barrier counter, then NTP counters for the fc2 output tiles (KS2 = 2),
-        then one per head (FA = 1)."""
+        launch: [0] the barrier counter, then one counter per fc2 output tile (KS2 = 2)."""
         pid = tl.program_id(0)
         n_progs = tl.num_programs(0)
         if PHASE >= 0:
@@ -465,22 +434,20 @@ if triton is not None:
                    bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr, bias_ptr, qkv_ptr,
                    q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr,
                    sync_ptr + 1, uv_half, n_blocks, T, S, NC, eps, sm_scale, ksb, ksh, kss,
-                   D, H, HD,
-                   HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2, FA)
+                   D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
         else:
             arrivals = 0
             for blk in range(n_blocks):
                 for p in tl.static_range(9):
-                    if p != 1 or FA == 0:      # FA = 1: phase 0 did the self-attention
-                        if SKIP == 0:
-                            _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1,
-                                   wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
-                                   bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
-                                   act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1, uv_half,
-                                   n_blocks, T, S, NC, eps, sm_scale, ksb, ksh, kss, D, H, HD,
-                                   HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2, FA)
-                        arrivals += n_progs
-                        _grid_sync(sync_ptr, arrivals, POLL)
+                    if SKIP == 0:
+                        _phase(p, blk, pid, n_progs, x_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1,
+                               bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
+                               bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
+                               act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1, uv_half,
+                               n_blocks, T, S, NC, eps, sm_scale, ksb, ksh, kss, D, H, HD, HDP,
+                               F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
+                    arrivals += n_progs
+                    _grid_sync(sync_ptr, arrivals, POLL)
 
 
 class FusedDiTStep:
@@ -506,7 +473,7 @@ class FusedDiTStep:
                  phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
         cfg = ae.cfg
         self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
-                          BS=KEY_CHUNK, S2=4, POLL=0, SKIP=0, KS2=2, FA=1, num_warps=4,
+                          BS=KEY_CHUNK, S2=4, POLL=0, SKIP=0, KS2=2, num_warps=4,
                           num_stages=4)
         self.tiles.update(tiles or {})
         self.d, self.h = cfg.hidden_size, cfg.num_heads
@@ -555,8 +522,6 @@ class FusedDiTStep:
         tiles = dict(self.tiles)
         if self.f % 2:
             tiles['KS2'] = 1          # the split-K fc2 halves the hidden width
-        if self.d % tiles['BNW']:
-            tiles['FA'] = 0           # the folded self-attention needs whole tiles per section
         nc = math.ceil(s / tiles['BS'])
         ncp = max(16, _next_pow2(nc))
         xs = torch.zeros((bt, d), device=dev, dtype=torch.float32)
@@ -577,7 +542,7 @@ class FusedDiTStep:
             act=torch.empty((bt, self.f), device=dev, dtype=dtype))
         n_progs = torch.cuda.get_device_properties(dev).multi_processor_count \
             if dev.type == 'cuda' else 1
-        sync = torch.zeros(1 + ntp + h, device=dev, dtype=torch.int32)
+        sync = torch.zeros(1 + ntp, device=dev, dtype=torch.int32)
         w = self.w
         args = (xs, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1, w.bo1, w.wq2, w.bq2,
                 w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
@@ -591,9 +556,8 @@ class FusedDiTStep:
             bnw = tiles['BNW']
             wide = -(-d // bnw) + -(-2 * d // bnw)
             grid = (max(wide, -(-self.f // bnw), -(-d // tiles['BN']), h * nc, h * t),)
-            phases = [p for p in self.phases if p != 1 or not tiles['FA']]
             for blk in range(nb):
-                for p in phases:
+                for p in self.phases:
                     _dit_step_kernel[grid](*args, nb, blk, t, s, nc, self.eps, self.sm_scale,
                                            *kv_strides, PHASE=p, **meta)
         else:
