@@ -1,0 +1,164 @@
+"""The ViT's MLP and attention kernels at full size: which variant the model should run.
+
+The SigLIP so400m-shaped ViT of the 8-camera preset (25 built blocks, 8 images x 729
+patches, bf16, attention in bf16 as the engine serves it), blocks compiled as the engine
+compiles them, the whole stack replayed as one CUDA graph. MLP variants (w2(gelu_tanh(w1 x))):
+
+- `F.gelu`: Linear, then tanh-GELU (Inductor fuses the GELU into one pointwise kernel; w2
+  then reads a stride-padded input and loses its cuBLASLt bias epilogue);
+- `cuBLASLt GELU epilogue`: w1 + bias + GELU as one `torch._addmm_activation` GEMM (what
+  `vision.ViTMLP` runs on CUDA);
+- `custom op`: the same two GEMMs hidden from Inductor in a `torch.library` op.
+
+Also: SDPA backends at the ViT's attention shape (8 x 16 heads x 729 x 72), and which GELU
+cuBLASLt's epilogue computes (float32 in and out, pre-activations over [-4, 4]).
+Errors are max |difference| / max |reference| against the same ViT run eagerly.
+
+    python3 benchmarks/benchmark_vit_variants.py --out $OUT/vit_variants.json   (CUDA only)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from molmobot_policy.model import vision  # noqa: E402
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+
+
+def graph_time(fn, iters: int) -> tuple[dict, torch.Tensor]:
+    """Median / p99 ms of replaying `fn` as one CUDA graph, and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    a = np.asarray(samples)
+    return {'median_ms': float(np.median(a)), 'p99_ms': float(np.percentile(a, 99))}, out.clone()
+
+
+@torch.library.custom_op('molmobot_bench::vit_mlp', mutates_args=())
+def vit_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+            b2: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    h = torch._addmm_activation(b1, x.reshape(-1, shape[-1]), w1.t(), use_gelu=True)
+    return torch.addmm(b2, h, w2.t()).view(*shape[:-1], -1)
+
+
+@vit_mlp.register_fake
+def _(x, w1, b1, w2, b2):
+    return x.new_empty(*x.shape[:-1], w2.shape[0])
+
+
+def mlp_gelu(self, x):
+    return self.w2(F.gelu(self.w1(x), approximate='tanh'))
+
+
+def mlp_custom_op(self, x):
+    return vit_mlp(x, self.w1.weight, self.w1.bias, self.w2.weight, self.w2.bias)
+
+
+MLP_VARIANTS = {'F.gelu': mlp_gelu, 'cuBLASLt GELU epilogue': vision.ViTMLP.forward,
+                'custom op': mlp_custom_op}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--iters', type=int, default=40)
+    parser.add_argument('--out', default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print('needs CUDA')
+        return 1
+    dev = torch.device('cuda')
+    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
+    torch.manual_seed(0)
+    vit = vision.SiglipVisionTransformer(cfg.vit).to(dev, torch.bfloat16).eval()
+    for p in vit.parameters():
+        p.data.normal_(0, 0.02)
+    for m in vit.modules():
+        if isinstance(m, vision.ViTMultiHeadDotProductAttention):
+            m.float32_attention = False
+    x = torch.randn(8, 729, cfg.vit.patch_dim, device=dev, dtype=torch.bfloat16)
+    rows = []
+    with torch.inference_mode():
+        ref = vit(x)[-1].float()
+        for blk in vit.transformer.resblocks:
+            blk.compile(dynamic=False, fullgraph=True)
+        for name, fwd in MLP_VARIANTS.items():
+            torch._dynamo.reset()
+            for blk in vit.transformer.resblocks:
+                blk.feed_forward.forward = fwd.__get__(blk.feed_forward)
+            timing, out = graph_time(lambda: vit(x)[-1], args.iters)
+            rows.append({'variant': f'ViT, MLP {name}', **timing,
+                         'rel_err': float((out.float() - ref).abs().max() / ref.abs().max())})
+            print(rows[-1], flush=True)
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q, k, v = (torch.randn(8, 729, 16, 72, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+                   for _ in range(3))
+        ref_attn = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        for name, backend in (('cuDNN', SDPBackend.CUDNN_ATTENTION),
+                              ('flash', SDPBackend.FLASH_ATTENTION),
+                              ('efficient', SDPBackend.EFFICIENT_ATTENTION)):
+            def attention(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v)
+            try:
+                timing, out = graph_time(attention, 50)
+                rows.append({'variant': f'ViT attention, {name}', **timing, 'rel_err': float(
+                    (out.float() - ref_attn).abs().max() / ref_attn.abs().max())})
+            except RuntimeError as exc:
+                rows.append({'variant': f'ViT attention, {name}', 'error': str(exc)[:200]})
+            print(rows[-1], flush=True)
+
+        a = torch.zeros(4096, 16, device=dev)
+        a[:, 0] = torch.linspace(-4, 4, 4096, device=dev)
+        pick = torch.zeros(16, 16, device=dev)
+        pick[0] = 1
+        epilogue = torch._addmm_activation(torch.zeros(16, device=dev), a, pick,
+                                           use_gelu=True)[:, 0]
+        gelu_form = {'max_abs_vs_tanh': float((epilogue - F.gelu(a[:, 0], approximate='tanh'))
+                                              .abs().max()),
+                     'max_abs_vs_erf': float((epilogue - F.gelu(a[:, 0])).abs().max())}
+        print('cuBLASLt GELU epilogue, float32:', gelu_form)
+
+    print(f'\nViT variants: 25 blocks x 8 images x 729 patches, bf16; '
+          f'{torch.cuda.get_device_name()}, torch {torch.__version__}')
+    print(f"{'variant':<36}{'median ms':>10}{'p99 ms':>9}{'rel err':>10}")
+    for r in rows:
+        if 'median_ms' in r:
+            print(f"{r['variant']:<36}{r['median_ms']:>10.3f}{r['p99_ms']:>9.3f}"
+                  f"{r['rel_err']:>10.2e}")
+        else:
+            print(f"{r['variant']:<36} failed: {r['error']}")
+    if args.out:
+        with open(args.out, 'w') as f:
+            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
+                       'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__,
+                       'rows': rows, 'gelu_epilogue': gelu_form}, f, indent=1)
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
