@@ -112,9 +112,9 @@ class Monitor:
             lines = [f'chunks published: {self.trajectories}',
                      f'inference: {_percentiles(self.inference_ms)}',
                      f'publish jitter: {_percentiles(self.jitter_ms)}',
-                     f'diagnostics at WARN/ERROR at the end (expected on a small CPU: the '
-                     f'tiny model on a CPU is slower than the thresholds, which are set for a '
-                     f'GPU): {not_ok or "none"}']
+                     'diagnostics at WARN/ERROR at the end: ' + (
+                         f'{not_ok} (expected on a small CPU: the tiny model on a CPU is slower '
+                         f'than the thresholds, which are set for a GPU)' if not_ok else 'none')]
         return '\n'.join('demo: ' + line for line in lines)
 
 

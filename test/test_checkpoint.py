@@ -15,10 +15,10 @@ from molmobot_policy.model.checkpoint import (config_from_upstream, init_random_
 from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.model.molmobot import MolmoBot
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
+from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
 
 pytestmark = pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(),
-                                reason=f'golden checkpoint not found at {GOLDEN}')
+                                reason=MISSING)
 
 
 @pytest.fixture(scope='module')

@@ -20,13 +20,14 @@ from molmobot_policy.preprocess.tokenizer import TextTokenizer, resolve_tokenize
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
 from molmobot_policy.types import Observation
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
+from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
+
 CASES = {'case1_2cam_360x640': 2, 'case2_8cam_480x640': 8}
 ACTION_ATOL = 2e-5      # golden README section 8: own preprocessing, normalized actions
 QWEN_VOCAB = 151936
 
 pytestmark = pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(),
-                                reason=f'golden data not found at {GOLDEN}')
+                                reason=MISSING)
 
 
 @pytest.fixture(scope='module', params=list(CASES))

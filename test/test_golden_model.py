@@ -1,7 +1,6 @@
 """The model against the upstream golden data (../shared/golden/molmobot_tiny/README.md):
 float32 on CPU, the stored uint8 images, ids, pooling indices, states and flow noise fed in;
 each output within 1e-4 relative (||ours - ref|| / ||ref||)."""
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,12 +8,13 @@ import torch
 
 from molmobot_policy.model.checkpoint import load_checkpoint
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
+from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
+
 CASES = ['case1_2cam_360x640', 'case2_8cam_480x640']
 RTOL = 1e-4
 
 pytestmark = pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(),
-                                reason=f'golden data not found at {GOLDEN}')
+                                reason=MISSING)
 
 
 def rel_err(ours, ref) -> float:

@@ -1,7 +1,6 @@
 """Preprocessing against the upstream golden data (../shared/golden/molmobot_tiny, README
 sections 4, 5 and 8): images, token ids, pooling indices, state and action (un)normalization.
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,12 +13,13 @@ from molmobot_policy.preprocess.tokenizer import tiny_tokenizer
 from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.types import Observation
 
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
+from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
+
 CASES = ['case1_2cam_360x640', 'case2_8cam_480x640']
 TINY = MolmoBotConfig.from_name('tiny')
 CAMERAS = [f'cam{k}' for k in range(8)]
 
-pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=f'golden data not found at {GOLDEN}')
+pytestmark = pytest.mark.skipif(not GOLDEN.is_dir(), reason=MISSING)
 
 
 @pytest.fixture(scope='module', params=CASES)

@@ -22,8 +22,9 @@ from molmobot_policy.ros.node import (PARAMETERS, PolicyNode,  # noqa: E402
                                       check_robot_contract)
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 
+from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
+
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parents[2] / 'shared' / 'golden' / 'molmobot_tiny'
 DROID_YAML = REPO / 'config' / 'policy_droid.yaml'
 JOINTS = [f'joint_{k}' for k in range(7)] + ['gripper']
 ROBOT = {'camera_topics': ['/exo/image_raw', '/wrist/image_raw'], 'joint_names': JOINTS,
@@ -33,7 +34,7 @@ ROBOT = {'camera_topics': ['/exo/image_raw', '/wrist/image_raw'], 'joint_names':
 NODE_NAME = 'robot_contract_test_policy'
 
 needs_golden = pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(),
-                                  reason=f'golden data not found at {GOLDEN}')
+                                  reason=MISSING)
 
 
 @pytest.fixture(scope='module')
