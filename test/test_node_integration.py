@@ -131,15 +131,25 @@ def _now(robot) -> float:
 def test_chunks_are_well_formed_joint_trajectories(policy, robot, ros):
     start = _now(robot)
     assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 2, 15.0), policy.log()
-    with robot.lock:
-        infos = list(robot.chunk_infos)
-    by_stamp = {}
-    for info in infos:
-        first = float(info['observation_stamp']) + int(info['dropped']) * CONTROL_PERIOD
-        by_stamp[round(first, 4)] = info
-    for msg in robot.chunks_after(start):
+    chunks = robot.chunks_after(start)
+
+    def info_of(msg):
+        """The ~/chunk_info whose first action time is this trajectory's header stamp."""
+        stamp = _seconds(msg.header.stamp)
+        with robot.lock:
+            infos = list(robot.chunk_infos)
+        for info in infos:
+            first = float(info['observation_stamp']) + int(info['dropped']) * CONTROL_PERIOD
+            if abs(first - stamp) < 1e-4:       # chunks are >= 0.2 s apart
+                return info
+        return None
+
+    # the node publishes a trajectory, then its chunk_info: wait for the latest one's
+    assert ros.wait_for(lambda: all(info_of(msg) is not None for msg in chunks), 5.0), \
+        policy.log()
+    for msg in chunks:
         assert list(msg.joint_names) == JOINTS
-        info = by_stamp[round(_seconds(msg.header.stamp), 4)]
+        info = info_of(msg)
         assert len(msg.points) == HORIZON - int(info['dropped']) == int(info['points'])
         assert len(msg.points) >= 1
         offsets = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec

@@ -32,8 +32,9 @@ class ActionExpertContext:
     """Per-query cache, identical for every flow step.
 
     keys, values: (n_blocks, B, H, S, head_dim) cross-attention K/V of every block, S = L
-        context tokens (+ n_obs state tokens in cross_attn mode); any strides with the last
-        dim contiguous (`prepare_context` gives views of one K|V buffer).
+        context tokens (+ n_obs state tokens in cross_attn mode) rounded up to a multiple of
+        CONTEXT_ALIGN (the extra rows masked); any strides with the last dim contiguous
+        (`prepare_context` gives views of one K|V buffer).
     mask_bias: (B, 1, 1, S) additive cross-attention mask, 0 or finfo(dtype).min.
     state_tokens: (B, n_obs, hidden) encoded states (used by self_attn mode).
     All in the parameter dtype.

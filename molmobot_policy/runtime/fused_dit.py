@@ -151,8 +151,9 @@ if triton is not None:
     @triton.jit
     def _grid_sync(counter_ptr, target, POLL: tl.constexpr):
         """Grid-wide barrier: waits until every program has arrived `target` times in total.
-        Arrival: a release add; waiting: acquire reads (POLL=1: plain loads, POLL=0: atomic
-        reads), so the scratch written before the barrier is visible after it."""
+        Arrival: a release add; waiting: acquire reads (POLL=0: atomic reads, the default;
+        POLL=1: acquire loads), so the scratch written before the barrier is visible after
+        it."""
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem='release', scope='gpu')
         if POLL == 1:
