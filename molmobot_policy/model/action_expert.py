@@ -27,6 +27,24 @@ CONTEXT_ALIGN = 16       # cross-attention context padded to a multiple of this 
 CONTEXT_NORM_EPS = 1e-5  # context_norm is a default nn.LayerNorm upstream
 
 
+def stack_parameters_(params: list[nn.Parameter]) -> torch.Tensor:
+    """Copies same-shape parameters into one (len(params), ...) tensor and re-points each to
+    its slice, in place: values, state-dict keys and `load_state_dict` (it writes through the
+    views) are unchanged; there is no second copy. Returns the stacked tensor."""
+    with torch.no_grad():
+        stacked = torch.stack([p.detach() for p in params]).contiguous()
+        for i, p in enumerate(params):
+            p.data = stacked[i]
+    return stacked
+
+
+def is_stack_of(stacked: torch.Tensor | None, params: list[nn.Parameter]) -> bool:
+    """True while every parameter is still its slice of `stacked` (`stack_parameters_`);
+    moving or replacing a parameter (`.to`, `p.data = ...`) ends it."""
+    return stacked is not None and len(params) == stacked.shape[0] and all(
+        p.data_ptr() == stacked[i].data_ptr() for i, p in enumerate(params))
+
+
 @dataclass
 class ActionExpertContext:
     """Per-query cache, identical for every flow step.
@@ -246,39 +264,32 @@ class ActionExpert(nn.Module):
         kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
         return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
 
+    def _kv_projection_params(self, kind: str) -> list[nn.Parameter]:
+        return [getattr(block.attn2.kv_proj, kind) for block in self.blocks]
+
     def stack_kv_projections_(self) -> None:
         """Re-points every block's `attn2.kv_proj` weight and bias into one stacked tensor
-        ((n_blocks, 2 hidden, hidden) and (n_blocks, 2 hidden)), in place and idempotent;
-        values and state-dict keys are unchanged. `context_key_values` then reads them
-        without stacking a copy per query. Moving the module (`.to`) undoes it harmlessly."""
-        if self._stacked_kv_projections() is not None:
-            return
-        with torch.no_grad():
+        ((n_blocks, 2 hidden, hidden) and (n_blocks, 2 hidden); `stack_parameters_`), in
+        place and idempotent. `context_key_values` then reads them without stacking a copy
+        per query. Moving the module (`.to`) undoes it harmlessly."""
+        if self._stacked_kv_projections() is None:
             for kind in ('weight', 'bias'):
-                params = [getattr(block.attn2.kv_proj, kind) for block in self.blocks]
-                stacked = torch.stack([p.detach() for p in params])
-                for i, p in enumerate(params):
-                    p.data = stacked[i]
-                self.__dict__['_kv_stack_' + kind] = stacked   # not a buffer: a view holder
+                # not a buffer: a holder of the views the parameters already are
+                self.__dict__['_kv_stack_' + kind] = stack_parameters_(
+                    self._kv_projection_params(kind))
 
     def _stacked_kv_projections(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        weight = self.__dict__.get('_kv_stack_weight')
-        bias = self.__dict__.get('_kv_stack_bias')
-        if weight is None or bias is None:
-            return None
-        for i, block in enumerate(self.blocks):
-            proj = block.attn2.kv_proj
-            if (proj.weight.data_ptr() != weight[i].data_ptr()
-                    or proj.bias.data_ptr() != bias[i].data_ptr()):
-                return None
-        return weight, bias
+        """The `stack_kv_projections_` tensors while they hold the parameters, else None."""
+        weight, bias = (self.__dict__.get('_kv_stack_' + k) for k in ('weight', 'bias'))
+        if is_stack_of(weight, self._kv_projection_params('weight')) \
+                and is_stack_of(bias, self._kv_projection_params('bias')):
+            return weight, bias
+        return None
 
     def _kv_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        stacked = self._stacked_kv_projections()
-        if stacked is not None:
-            return stacked
-        return (torch.stack([block.attn2.kv_proj.weight for block in self.blocks]),
-                torch.stack([block.attn2.kv_proj.bias for block in self.blocks]))
+        return self._stacked_kv_projections() or (
+            torch.stack(self._kv_projection_params('weight')),
+            torch.stack(self._kv_projection_params('bias')))
 
     def cross_mask_bias(self, encoder_mask: torch.Tensor, n_obs: int) -> torch.Tensor:
         """encoder_mask bool (B, L), True = valid -> additive (B, 1, 1, S): (1 - m) * finfo.min,

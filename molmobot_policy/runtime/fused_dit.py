@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from molmobot_policy.model.action_expert import is_stack_of, stack_parameters_
+
 try:   # triton ships with CUDA builds of torch; CPU builds run the torch path
     import triton
     import triton.language as tl
@@ -115,21 +117,13 @@ class StackedBlockWeights:
     def from_blocks_(cls, blocks) -> 'StackedBlockWeights':
         """Stacks the blocks' Linear weights and re-points each block to its slice (in place).
         Idempotent: a second call on the same blocks returns the same stacked tensors."""
+        params = {prefix + name: [getattr(get(b), kind) for b in blocks]
+                  for name, get in _LINEARS.items() for prefix, kind in _KINDS}
         cached = getattr(blocks, '_molmobot_stacked', None)
-        if cached is not None and all(
-                getattr(get(b), kind).data_ptr() == getattr(cached, prefix + name)[i].data_ptr()
-                for name, get in _LINEARS.items() for prefix, kind in _KINDS
-                for i, b in enumerate(blocks)):
+        if cached is not None and all(is_stack_of(getattr(cached, field), ps)
+                                      for field, ps in params.items()):
             return cached
-        fields = {}
-        with torch.no_grad():
-            for name, get in _LINEARS.items():
-                for prefix, kind in _KINDS:
-                    params = [getattr(get(b), kind) for b in blocks]
-                    stacked = torch.stack([p.detach() for p in params]).contiguous()
-                    for i, p in enumerate(params):
-                        p.data = stacked[i]
-                    fields[prefix + name] = stacked
+        fields = {field: stack_parameters_(ps) for field, ps in params.items()}
         stacked = cls(**fields)
         blocks._molmobot_stacked = stacked
         return stacked
