@@ -16,10 +16,8 @@ against the same module run eagerly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 import types
 
 import torch
@@ -28,9 +26,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import benchmark_llm_attention as bla  # noqa: E402
-from benchmark_vit_variants import graph_time  # noqa: E402
+from benchmark_vit_variants import build_vit, report, timed  # noqa: E402
 
-from molmobot_policy.model import llm, vision  # noqa: E402
+from molmobot_policy.model import llm  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 
 OPTIONS = {'default': {}, 'coordinate_descent': {'coordinate_descent_tuning': True},
@@ -64,12 +62,11 @@ def main(argv=None) -> int:
         return 1
     dev = torch.device('cuda')
     cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
-    torch.manual_seed(0)
     rows = []
 
     def record(name, fn, ref):
         try:
-            timing, out = graph_time(fn, args.iters)
+            timing, out = timed(fn, args.iters)
             rows.append({'variant': name, **timing,
                          'rel_err': float((out.float() - ref).abs().max() / ref.abs().max())})
         except Exception as exc:  # noqa: BLE001 - an option may fail to compile; report it
@@ -77,12 +74,7 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
 
     with torch.inference_mode():
-        vit = vision.SiglipVisionTransformer(cfg.vit).to(dev, torch.bfloat16).eval()
-        for p in vit.parameters():
-            p.data.normal_(0, 0.02)
-        for m in vit.modules():
-            if isinstance(m, vision.ViTMultiHeadDotProductAttention):
-                m.float32_attention = False
+        vit = build_vit(cfg, dev)
         x = torch.randn(8, 729, cfg.vit.patch_dim, device=dev, dtype=torch.bfloat16)
         ref = vit(x)[-1].float()
         for blk in vit.transformer.resblocks:
@@ -113,20 +105,8 @@ def main(argv=None) -> int:
                     record(f'LLM block, {name}, {attn_name}',
                            lambda: compiled(h, cos, sin, bias), ref)
 
-    print(f'\nInductor options: ViT 25 blocks x 8 images; one LLM block at L = {n}; bf16; '
-          f'{torch.cuda.get_device_name()}, torch {torch.__version__}')
-    print(f"{'variant':<40}{'median ms':>10}{'p99 ms':>9}{'rel err':>10}")
-    for r in rows:
-        if 'median_ms' in r:
-            print(f"{r['variant']:<40}{r['median_ms']:>10.3f}{r['p99_ms']:>9.3f}"
-                  f"{r['rel_err']:>10.2e}")
-        else:
-            print(f"{r['variant']:<40} failed: {r['error']}")
-    if args.out:
-        with open(args.out, 'w') as f:
-            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
-                       'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__,
-                       'rows': rows}, f, indent=1)
+    report(f'Inductor options: ViT 25 blocks x 8 images; one LLM block at L = {n}; bf16', rows,
+           args.out)
     return 0
 
 

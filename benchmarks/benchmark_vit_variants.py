@@ -24,37 +24,52 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmark_llm_attention import time_graph  # noqa: E402
+
 from molmobot_policy.model import vision  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 
 
-def graph_time(fn, iters: int) -> tuple[dict, torch.Tensor]:
-    """Median / p99 ms of replaying `fn` as one CUDA graph, and its output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    a = np.asarray(samples)
-    return {'median_ms': float(np.median(a)), 'p99_ms': float(np.percentile(a, 99))}, out.clone()
+def timed(fn, iters: int) -> tuple[dict, torch.Tensor]:
+    """(median / p99 ms of `fn` replayed as one CUDA graph, fn's output run eagerly)."""
+    out = fn()
+    return time_graph(fn, iters), out
+
+
+def build_vit(cfg: MolmoBotConfig, dev: torch.device) -> vision.SiglipVisionTransformer:
+    """The preset's ViT, random N(0, 0.02) weights, bf16, attention in bf16 (as served)."""
+    torch.manual_seed(0)
+    vit = vision.SiglipVisionTransformer(cfg.vit).to(dev, torch.bfloat16).eval()
+    for p in vit.parameters():
+        p.data.normal_(0, 0.02)
+    for m in vit.modules():
+        if isinstance(m, vision.ViTMultiHeadDotProductAttention):
+            m.float32_attention = False
+    return vit
+
+
+def report(title: str, rows: list[dict], out: str | None, **extra) -> None:
+    """Prints the rows (variant, median / p99 ms, relative error, or the failure) under
+    `title` and writes them, with `extra`, as JSON to `out` (if given)."""
+    width = max(len(r['variant']) for r in rows) + 2
+    print(f'\n{title}; {torch.cuda.get_device_name()}, torch {torch.__version__}')
+    print(f"{'variant':<{width}}{'median ms':>10}{'p99 ms':>9}{'rel err':>10}")
+    for r in rows:
+        if 'median_ms' in r:
+            print(f"{r['variant']:<{width}}{r['median_ms']:>10.3f}{r['p99_ms']:>9.3f}"
+                  f"{r['rel_err']:>10.2e}")
+        else:
+            print(f"{r['variant']:<{width}} failed: {r['error']}")
+    if out:
+        with open(out, 'w') as f:
+            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
+                       'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__,
+                       'rows': rows, **extra}, f, indent=1)
 
 
 @torch.library.custom_op('molmobot_bench::vit_mlp', mutates_args=())
@@ -92,13 +107,7 @@ def main(argv=None) -> int:
         return 1
     dev = torch.device('cuda')
     cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
-    torch.manual_seed(0)
-    vit = vision.SiglipVisionTransformer(cfg.vit).to(dev, torch.bfloat16).eval()
-    for p in vit.parameters():
-        p.data.normal_(0, 0.02)
-    for m in vit.modules():
-        if isinstance(m, vision.ViTMultiHeadDotProductAttention):
-            m.float32_attention = False
+    vit = build_vit(cfg, dev)
     x = torch.randn(8, 729, cfg.vit.patch_dim, device=dev, dtype=torch.bfloat16)
     rows = []
     with torch.inference_mode():
@@ -109,7 +118,7 @@ def main(argv=None) -> int:
             torch._dynamo.reset()
             for blk in vit.transformer.resblocks:
                 blk.feed_forward.forward = fwd.__get__(blk.feed_forward)
-            timing, out = graph_time(lambda: vit(x)[-1], args.iters)
+            timing, out = timed(lambda: vit(x)[-1], args.iters)
             rows.append({'variant': f'ViT, MLP {name}', **timing,
                          'rel_err': float((out.float() - ref).abs().max() / ref.abs().max())})
             print(rows[-1], flush=True)
@@ -125,7 +134,7 @@ def main(argv=None) -> int:
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v)
             try:
-                timing, out = graph_time(attention, 50)
+                timing, out = timed(attention, 50)
                 rows.append({'variant': f'ViT attention, {name}', **timing, 'rel_err': float(
                     (out.float() - ref_attn).abs().max() / ref_attn.abs().max())})
             except RuntimeError as exc:
@@ -143,20 +152,8 @@ def main(argv=None) -> int:
                      'max_abs_vs_erf': float((epilogue - F.gelu(a[:, 0])).abs().max())}
         print('cuBLASLt GELU epilogue, float32:', gelu_form)
 
-    print(f'\nViT variants: 25 blocks x 8 images x 729 patches, bf16; '
-          f'{torch.cuda.get_device_name()}, torch {torch.__version__}')
-    print(f"{'variant':<36}{'median ms':>10}{'p99 ms':>9}{'rel err':>10}")
-    for r in rows:
-        if 'median_ms' in r:
-            print(f"{r['variant']:<36}{r['median_ms']:>10.3f}{r['p99_ms']:>9.3f}"
-                  f"{r['rel_err']:>10.2e}")
-        else:
-            print(f"{r['variant']:<36} failed: {r['error']}")
-    if args.out:
-        with open(args.out, 'w') as f:
-            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
-                       'gpu': torch.cuda.get_device_name(), 'torch': torch.__version__,
-                       'rows': rows, 'gelu_epilogue': gelu_form}, f, indent=1)
+    report('ViT variants: 25 blocks x 8 images x 729 patches, bf16', rows, args.out,
+           gelu_epilogue=gelu_form)
     return 0
 
 
