@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import types
 
 import torch
@@ -32,7 +33,8 @@ from molmobot_policy.model import llm  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 
 OPTIONS = {'default': {}, 'coordinate_descent': {'coordinate_descent_tuning': True},
-           'multi_kernel': {'triton.multi_kernel': 1}}
+           'multi_kernel': {'triton.multi_kernel': 1},
+           'max_autotune_gemm': {'max_autotune_gemm': True}}
 
 
 def attention_repeat(self, x, cos, sin, attn_bias):
@@ -55,8 +57,16 @@ ATTENTION = {'repeat': attention_repeat, 'gqa': llm.OLMoSequentialBlock.attentio
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--iters', type=int, default=40)
+    parser.add_argument('--options', default=','.join(OPTIONS),
+                        help=f'comma-separated option sets (of {list(OPTIONS)})')
+    parser.add_argument('--attention', default=','.join(ATTENTION),
+                        help=f'comma-separated LLM-block attention variants (of {list(ATTENTION)})')
+    parser.add_argument('--parts', default='vit,llm', help='vit, llm or both')
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
+    options = {k: OPTIONS[k] for k in args.options.split(',')}
+    attentions = {k: ATTENTION[k] for k in args.attention.split(',')}
+    parts = args.parts.split(',')
     if not torch.cuda.is_available():
         print('needs CUDA')
         return 1
@@ -66,23 +76,29 @@ def main(argv=None) -> int:
 
     def record(name, fn, ref):
         try:
+            t0 = time.perf_counter()
             timing, out = timed(fn, args.iters)
-            rows.append({'variant': name, **timing,
+            rows.append({'variant': name, **timing, 'compile_and_time_s': time.perf_counter() - t0,
                          'rel_err': float((out.float() - ref).abs().max() / ref.abs().max())})
         except Exception as exc:  # noqa: BLE001 - an option may fail to compile; report it
             rows.append({'variant': name, 'error': f'{type(exc).__name__}: {str(exc)[:200]}'})
         print(rows[-1], flush=True)
 
     with torch.inference_mode():
-        vit = build_vit(cfg, dev)
-        x = torch.randn(8, 729, cfg.vit.patch_dim, device=dev, dtype=torch.bfloat16)
-        ref = vit(x)[-1].float()
-        for blk in vit.transformer.resblocks:
-            blk.compile(dynamic=False, fullgraph=True)
-        for name, options in OPTIONS.items():
-            torch._dynamo.reset()
-            with torch._inductor.config.patch(options):
-                record(f'ViT, {name}', lambda: vit(x)[-1], ref)
+        if 'vit' in parts:
+            vit = build_vit(cfg, dev)
+            x = torch.randn(8, 729, cfg.vit.patch_dim, device=dev, dtype=torch.bfloat16)
+            ref = vit(x)[-1].float()
+            for blk in vit.transformer.resblocks:
+                blk.compile(dynamic=False, fullgraph=True)
+            for name, opts in options.items():
+                torch._dynamo.reset()
+                with torch._inductor.config.patch(opts):
+                    record(f'ViT, {name}', lambda: vit(x)[-1], ref)
+            del vit
+        if 'llm' not in parts:
+            report('Inductor options: ViT 25 blocks x 8 images; bf16', rows, args.out)
+            return 0
 
         lc = cfg.llm
         block = llm.OLMoSequentialBlock(lc).to(dev, torch.bfloat16).eval()
@@ -97,11 +113,11 @@ def main(argv=None) -> int:
         h = torch.randn(1, n, lc.d_model, device=dev, dtype=torch.bfloat16)
         ref = block(h, cos, sin, bias).float()
         compiled = torch.compile(block, dynamic=False, fullgraph=True)
-        for name, options in OPTIONS.items():
-            for attn_name, attention in ATTENTION.items():
+        for name, opts in options.items():
+            for attn_name, attention in attentions.items():
                 torch._dynamo.reset()
                 block.attention = types.MethodType(attention, block)
-                with torch._inductor.config.patch(options):
+                with torch._inductor.config.patch(opts):
                     record(f'LLM block, {name}, {attn_name}',
                            lambda: compiled(h, cos, sin, bias), ref)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -89,6 +90,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
     parser.add_argument('--iters', type=int, default=100)
+    parser.add_argument('--variant', action='append', default=None,
+                        help='a label of TILE_VARIANTS to run (repeatable; default: all)')
+    parser.add_argument('--baseline', default=None,
+                        help='another fused_dit.py (e.g. the last commit\'s) timed as a row in '
+                             'the same process')
+    parser.add_argument('--repeat', type=int, default=1,
+                        help='run the list of kernel variants this many times (paired runs)')
+    parser.add_argument('--no-phases', action='store_true',
+                        help='skip the phased launches and the phase-by-phase timings')
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -128,11 +138,23 @@ def main(argv=None) -> int:
         row, torch_out = measure('torch (compiled blocks)', None)
         rows.append(row)
         print(row, flush=True)
-        variants = [(label, dict(tiles=t)) for label, t in TILE_VARIANTS.items()]
-        variants.append(('phased', dict(phased=True)))
-        for label, kwargs in variants:
+        chosen = args.variant or list(TILE_VARIANTS)
+        unknown = [c for c in chosen if c not in TILE_VARIANTS]
+        if unknown:
+            parser.error(f'unknown variants {unknown}; known: {list(TILE_VARIANTS)}')
+        variants = [(label, fused_dit, dict(tiles=TILE_VARIANTS[label])) for label in chosen]
+        if args.baseline:
+            spec = importlib.util.spec_from_file_location('fused_dit_baseline', args.baseline)
+            baseline = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(baseline)
+            variants.insert(0, (f'baseline ({os.path.basename(args.baseline)})', baseline, {}))
+        variants = [(label + (f' #{i + 1}' if i else ''), module, kwargs)
+                    for i in range(args.repeat) for label, module, kwargs in variants]
+        if not args.no_phases:
+            variants.append(('phased', fused_dit, dict(phased=True)))
+        for label, module, kwargs in variants:
             try:
-                row, out = measure(label, bound_steps(fused_dit.FusedDiTStep(ae, **kwargs), cond))
+                row, out = measure(label, bound_steps(module.FusedDiTStep(ae, **kwargs), cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
             except Exception as exc:  # noqa: BLE001 - a tile shape may not compile
                 row = {'variant': label, 'error': f'{type(exc).__name__}: {str(exc)[:400]}'}
@@ -141,7 +163,7 @@ def main(argv=None) -> int:
         # each phase alone: one step's 36 launches of it as a graph (phased mode)
         phase_rows = []
         x_tokens = ae.embed_actions(noise, ctx.state_tokens)
-        for p in range(fused_dit.N_PHASES):
+        for p in range(0 if args.no_phases else fused_dit.N_PHASES):
             try:
                 step = bound_steps(fused_dit.FusedDiTStep(ae, phased=True, phases=(p,)), cond)[0]
                 runner = StaticRunner(lambda x: step(x, cond[0].blocks, ctx), {'x': x_tokens},

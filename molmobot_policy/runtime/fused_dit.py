@@ -161,14 +161,21 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
-    def _row_stats(st_ptr, eps, D: tl.constexpr, NTP: tl.constexpr, BT: tl.constexpr):
-        """Mean and 1/std of the rows of x from the per-tile row sums and sums of squares that
-        the last residual update wrote (st: (2, NTP, BT) float32, unused tiles zero); one L2
-        round instead of a pass over x. Summed in a fixed order (bitwise reproducible);
-        variance as E[x^2] - mean^2 in float32 (the residual stream's |mean| / std is small)."""
+    def _load_row_stats(st_ptr, NTP: tl.constexpr, BT: tl.constexpr):
+        """The per-tile row sums and sums of squares that the last residual update wrote
+        (st: (2, NTP, BT) float32, unused tiles zero), as two (NTP, BT) tiles; loaded before a
+        GEMM's K loop so that their L2 round trip overlaps it (`_row_stats` reduces them)."""
         offs = tl.arange(0, NTP)[:, None] * BT + tl.arange(0, BT)[None, :]
-        total = tl.sum(tl.load(st_ptr + offs, cache_modifier='.cg'), axis=0)
-        total_sq = tl.sum(tl.load(st_ptr + NTP * BT + offs, cache_modifier='.cg'), axis=0)
+        return (tl.load(st_ptr + offs, cache_modifier='.cg'),
+                tl.load(st_ptr + NTP * BT + offs, cache_modifier='.cg'))
+
+    @triton.jit
+    def _row_stats(sums, sums_sq, eps, D: tl.constexpr):
+        """Mean and 1/std of the rows of x from `_load_row_stats`' tiles: one L2 round instead
+        of a pass over x. Summed in a fixed order (bitwise reproducible); variance as
+        E[x^2] - mean^2 in float32 (the residual stream's |mean| / std is small)."""
+        total = tl.sum(sums, axis=0)
+        total_sq = tl.sum(sums_sq, axis=0)
         mean = total / D
         var = tl.maximum(total_sq / D - mean * mean, 0.0)
         return mean, 1.0 / tl.sqrt(var + eps)
@@ -194,39 +201,54 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _adaln_linear(xm_ptr, st_ptr, u_ptr, v_ptr, w_ptr, n0, n_rows, T, eps,
+    def _adaln_linear(xm_ptr, st_ptr, u_ptr, v_ptr, w_ptr, bias_ptr, n0, n_rows, T, eps,
                       D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       NTP: tl.constexpr, STAGES: tl.constexpr):
-        """(LN(x) * (1 + scale) + shift) @ W[n0:n0+BN]^T -> float32 (BT, BN), computed as
-        rstd * (xm @ W^T - mean * u) + v with xm = x * (1 + scale) (parameter dtype, written by
-        the residual update before), u = W (1 + scale), v = W shift (per flow step, from
-        `FusedDiTStep.tables`): the normalization moves to the epilogue, so the K loop is a
-        plain pipelined GEMM. W (n_rows, D); u, v float32 (n_rows,)."""
-        acc = _linear(xm_ptr, w_ptr, n0, n_rows, T, D, BT, BN, BK, STAGES)
-        mean, rstd = _row_stats(st_ptr, eps, D, NTP, BT)
+        """(LN(x) * (1 + scale) + shift) @ W[n0:n0+BN]^T + bias -> float32 (BT, BN), computed
+        as rstd * (xm @ W^T - mean * u) + v + bias with xm = x * (1 + scale) (parameter dtype,
+        written by the residual update before), u = W (1 + scale), v = W shift (per flow step,
+        from `FusedDiTStep.tables`): the normalization moves to the epilogue, so the K loop is
+        a plain pipelined GEMM. W (n_rows, D); u, v float32, bias (n_rows,). The epilogue's
+        operands are loaded before the K loop (their latency hides behind it)."""
         ns = n0 + tl.arange(0, BN)
-        u = tl.load(u_ptr + ns, mask=ns < n_rows, other=0.0)
-        v = tl.load(v_ptr + ns, mask=ns < n_rows, other=0.0)
-        return rstd[:, None] * (acc - mean[:, None] * u[None, :]) + v[None, :]
+        nm = ns < n_rows
+        u = tl.load(u_ptr + ns, mask=nm, other=0.0)
+        v = tl.load(v_ptr + ns, mask=nm, other=0.0)
+        b = tl.load(bias_ptr + ns, mask=nm, other=0.0).to(tl.float32)
+        sums, sums_sq = _load_row_stats(st_ptr, NTP, BT)
+        acc = _linear(xm_ptr, w_ptr, n0, n_rows, T, D, BT, BN, BK, STAGES)
+        mean, rstd = _row_stats(sums, sums_sq, eps, D)
+        return rstd[:, None] * (acc - mean[:, None] * u[None, :]) + v[None, :] + b[None, :]
 
     @triton.jit
-    def _gated_residual(x_ptr, st_ptr, xm_ptr, next_scale_ptr, acc, bias_ptr, gate_ptr, n0, T,
-                        D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                        NTP: tl.constexpr):
-        """x[:, n0:n0+BN] += gate * (acc + bias), float32 in place; writes the tile's row sums
-        and sums of squares of the new x to st[:, n0 // BN] (see `_row_stats`) and
-        xm = x * (1 + next_scale) for the next LayerNorm-fed GEMM (see `_adaln_linear`)."""
+    def _residual_operands(x_ptr, bias_ptr, gate_ptr, next_scale_ptr, n0, T, D: tl.constexpr,
+                           BT: tl.constexpr, BN: tl.constexpr):
+        """The operands of `_gated_residual` for output columns n0:n0+BN: x's tile (float32),
+        bias, gate and the next LayerNorm's scale (float32 vectors). Loaded before the tile's
+        GEMM, so that their L2 round trip overlaps its K loop."""
         rows = tl.arange(0, BT)
         ns = n0 + tl.arange(0, BN)
         nm = ns < D
         m = (rows[:, None] < T) & nm[None, :]
+        x = tl.load(x_ptr + rows[:, None] * D + ns[None, :], mask=m, other=0.0,
+                    cache_modifier='.cg')
         b = tl.load(bias_ptr + ns, mask=nm, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + ns, mask=nm, other=0.0).to(tl.float32)
-        ptrs = x_ptr + rows[:, None] * D + ns[None, :]
-        x = tl.load(ptrs, mask=m, other=0.0, cache_modifier='.cg')
-        x = tl.where(m, x + g[None, :] * (acc + b[None, :]), 0.0)
-        tl.store(ptrs, x, mask=m)
         nsc = tl.load(next_scale_ptr + ns, mask=nm, other=0.0).to(tl.float32)
+        return x, b, g, nsc
+
+    @triton.jit
+    def _gated_residual(x_ptr, st_ptr, xm_ptr, acc, x, b, g, nsc, n0, T, D: tl.constexpr,
+                        BT: tl.constexpr, BN: tl.constexpr, NTP: tl.constexpr):
+        """x[:, n0:n0+BN] += gate * (acc + bias), float32 in place, with x, bias, gate and
+        next_scale from `_residual_operands`; writes the tile's row sums and sums of squares
+        of the new x to st[:, n0 // BN] (see `_row_stats`) and xm = x * (1 + next_scale) for
+        the next LayerNorm-fed GEMM (see `_adaln_linear`)."""
+        rows = tl.arange(0, BT)
+        ns = n0 + tl.arange(0, BN)
+        m = (rows[:, None] < T) & (ns < D)[None, :]
+        x = tl.where(m, x + g[None, :] * (acc + b[None, :]), 0.0)
+        tl.store(x_ptr + rows[:, None] * D + ns[None, :], x, mask=m)
         tl.store(xm_ptr + rows[:, None] * D + ns[None, :],
                  (x * (1.0 + nsc[None, :])).to(xm_ptr.dtype.element_ty), mask=m)
         tile = n0 // BN
@@ -243,9 +265,10 @@ if triton is not None:
         n_tiles = (D + BN - 1) // BN
         for t in range(pid, n_tiles, n_progs):
             n0 = t * BN
+            x, b, g, nsc = _residual_operands(x_ptr, bias_ptr, gate_ptr, next_scale_ptr, n0, T,
+                                              D, BT, BN)
             acc = _linear(a_ptr, w_ptr, n0, D, T, K, BT, BN, BK, STAGES)
-            _gated_residual(x_ptr, st_ptr, xm_ptr, next_scale_ptr, acc, bias_ptr, gate_ptr, n0,
-                            T, D, BT, BN, NTP)
+            _gated_residual(x_ptr, st_ptr, xm_ptr, acc, x, b, g, nsc, n0, T, D, BT, BN, NTP)
 
     @triton.jit
     def _self_attention_head(hh, qkv_ptr, o2_ptr, T, sm_scale, D: tl.constexpr,
@@ -292,20 +315,18 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 if t < q_tiles:
                     n0 = t * BNW
-                    acc = _adaln_linear(xm_ptr, st_ptr, u, u + uv_half, wq1 + blk * D * D, n0,
-                                        D, T, eps, D, BT, BNW, BKA, NTP, S2)
-                    b = tl.load(bq1 + blk * D + n0 + ns, mask=n0 + ns < D, other=0.0)
+                    acc = _adaln_linear(xm_ptr, st_ptr, u, u + uv_half, wq1 + blk * D * D,
+                                        bq1 + blk * D, n0, D, T, eps, D, BT, BNW, BKA, NTP, S2)
                     col0 = n0
                     lim = D - n0
                 else:
                     n0 = (t - q_tiles) * BNW
                     acc = _adaln_linear(xm_ptr, st_ptr, u + D, u + uv_half + D,
-                                        wkv1 + blk * 2 * D * D, n0, 2 * D, T, eps, D, BT, BNW,
-                                        BKA, NTP, S2)
-                    b = tl.load(bkv1 + blk * 2 * D + n0 + ns, mask=n0 + ns < 2 * D, other=0.0)
+                                        wkv1 + blk * 2 * D * D, bkv1 + blk * 2 * D, n0, 2 * D, T,
+                                        eps, D, BT, BNW, BKA, NTP, S2)
                     col0 = D + n0
                     lim = 2 * D - n0
-                y = (acc + b.to(tl.float32)[None, :]).to(dtype)
+                y = acc.to(dtype)
                 tl.store(qkv_ptr + rows[:, None] * (3 * D) + col0 + ns[None, :], y,
                          mask=(rows[:, None] < T) & (ns[None, :] < lim))
         elif p == 1:    # self-attention, one head per program -> o (BT, D)
@@ -320,9 +341,9 @@ if triton is not None:
                 n0 = t * BN
                 ns = n0 + tl.arange(0, BN)
                 acc = _adaln_linear(xm_ptr, st_ptr, u + 3 * D, u + uv_half + 3 * D,
-                                    wq2 + blk * D * D, n0, D, T, eps, D, BT, BN, BKA, NTP, S2)
-                b = tl.load(bq2 + blk * D + ns, mask=ns < D, other=0.0).to(tl.float32)
-                y = ((acc + b[None, :]) * sm_scale).to(dtype)
+                                    wq2 + blk * D * D, bq2 + blk * D, n0, D, T, eps, D, BT, BN,
+                                    BKA, NTP, S2)
+                y = (acc * sm_scale).to(dtype)
                 tl.store(q2_ptr + rows[:, None] * D + ns[None, :], y,
                          mask=(rows[:, None] < T) & (ns[None, :] < D))
         elif p == 4:    # cross-attention partials, one (head, key chunk) per program
@@ -373,10 +394,9 @@ if triton is not None:
             for t in range(pid, n_tiles, n_progs):
                 n0 = t * BNW
                 ns = n0 + tl.arange(0, BNW)
-                acc = _adaln_linear(xm_ptr, st_ptr, u + 4 * D, u + uv_half + 4 * D,
-                                    w1 + blk * F * D, n0, F, T, eps, D, BT, BNW, BKA, NTP, S2)
-                b = tl.load(b1 + blk * F + ns, mask=ns < F, other=0.0).to(tl.float32)
-                y = acc + b[None, :]
+                y = _adaln_linear(xm_ptr, st_ptr, u + 4 * D, u + uv_half + 4 * D,
+                                  w1 + blk * F * D, b1 + blk * F, n0, F, T, eps, D, BT, BNW, BKA,
+                                  NTP, S2)
                 y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
                 tl.store(act_ptr + rows[:, None] * F + ns[None, :], y.to(dtype),
                          mask=(rows[:, None] < T) & (ns[None, :] < F))
@@ -393,6 +413,8 @@ if triton is not None:
                     t = item // 2
                     kh = item % 2
                     n0 = t * BN
+                    x, b, g, nsc = _residual_operands(x_ptr, b2 + blk * D, mod + 8 * D,
+                                                      next_mod + D, n0, T, D, BT, BN)
                     acc = _linear(act_ptr + kh * half, w2 + blk * D * F + kh * half, n0, D, T,
                                   half, BT, BN, BK, S2, F)
                     part = po_ptr + rows[:, None] * D + n0 + cols[None, :]   # (2, BT, D)
@@ -403,8 +425,8 @@ if triton is not None:
                     if old % 2 == 1:     # a + b == b + a: the same bits whichever is later
                         other = tl.load(part + (1 - kh) * BT * D, mask=pm, other=0.0,
                                         cache_modifier='.cg')
-                        _gated_residual(x_ptr, st_ptr, xm_ptr, next_mod + D, acc + other,
-                                        b2 + blk * D, mod + 8 * D, n0, T, D, BT, BN, NTP)
+                        _gated_residual(x_ptr, st_ptr, xm_ptr, acc + other, x, b, g, nsc, n0, T,
+                                        D, BT, BN, NTP)
 
     @triton.jit
     def _dit_step_kernel(x_ptr, mod_ptr,
