@@ -253,16 +253,26 @@ class ActionExpert(nn.Module):
         per call): a handful of kernels where a loop over the blocks launched ~230.
         """
         n, b = hidden.shape[:2]
-        ctx = self.context_norm(self.context_proj(hidden.to(self.dtype)))
-        if self.states_mode == 'cross_attn':
-            ctx = torch.cat([ctx, state_tokens.unsqueeze(0).expand(n, -1, -1, -1)], dim=2)
-        ctx = F.pad(ctx, (0, 0, 0, -ctx.shape[2] % CONTEXT_ALIGN))
+        ctx = self.context_rows(hidden, state_tokens)
         s, d = ctx.shape[2], ctx.shape[3]
         weight, bias = self._kv_projections()
         kv = torch.baddbmm(bias.unsqueeze(1), ctx.reshape(n, b * s, d), weight.transpose(1, 2))
         attn = self.blocks[0].attn2
         kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
         return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
+
+    def context_rows(self, hidden: torch.Tensor, state_tokens: torch.Tensor) -> torch.Tensor:
+        """hidden (n_blocks, B, L, llm_dim), state_tokens (B, n_obs, hidden) -> every block's
+        cross-attention context (n_blocks, B, S, hidden), parameter dtype:
+        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), zero
+        rows up to S (see `context_key_values`). A separate method so that the engine can
+        compile it: the normalization, concatenation and padding then run as one kernel (three
+        passes over ~90 MB eagerly)."""
+        n = hidden.shape[0]
+        ctx = self.context_norm(self.context_proj(hidden.to(self.dtype)))
+        if self.states_mode == 'cross_attn':
+            ctx = torch.cat([ctx, state_tokens.unsqueeze(0).expand(n, -1, -1, -1)], dim=2)
+        return F.pad(ctx, (0, 0, 0, -ctx.shape[2] % CONTEXT_ALIGN))
 
     def _kv_projection_params(self, kind: str) -> list[nn.Parameter]:
         return [getattr(block.attn2.kv_proj, kind) for block in self.blocks]
