@@ -20,6 +20,11 @@ changes). Then the zero-recompile check: instructions of 1..200 words after warm
     python benchmarks/benchmark_inference.py --out benchmarks/out/inference.json
     python benchmarks/benchmark_inference.py --preset tiny --device cpu --rungs eager,compile
 
+`--period-ms 120` also times generate_actions started every 120 ms (the node's chunk period)
+instead of back to back: on an H200 running back to back, the SW power cap moves the SM
+clock between ~1875 and ~1980 MHz, which widens p99. Rungs must come in ladder order: they
+share one model, and +fp8 quantizes it in place.
+
 Prints a table last; writes every number as JSON.
 """
 from __future__ import annotations
@@ -78,7 +83,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(fn, iters: int, device: str) -> list[float]:
+def time_calls(fn, iters: int, device: str, period_ms: float = 0.0) -> list[float]:
+    """ms per call of fn (synchronized); period_ms > 0: calls start every period_ms (the
+    GPU idles in between, as under the node's chunk schedule) instead of back to back."""
     out = []
     for _ in range(iters):
         sync(device)
@@ -86,6 +93,8 @@ def time_calls(fn, iters: int, device: str) -> list[float]:
         fn()
         sync(device)
         out.append((time.perf_counter() - t0) * 1e3)
+        if period_ms > 0:
+            time.sleep(max(0.0, period_ms / 1e3 - (time.perf_counter() - t0)))
     return out
 
 
@@ -97,7 +106,7 @@ def make_observation(cfg: MolmoBotConfig, cameras: int, seed: int) -> Observatio
 
 
 def run_rung(name: str, model: MolmoBot, kwargs: dict, obs: Observation, noise: np.ndarray,
-             iters: int, device: str) -> dict:
+             iters: int, device: str, period_ms: float = 0.0) -> dict:
     if device.startswith('cuda'):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -114,12 +123,16 @@ def run_rung(name: str, model: MolmoBot, kwargs: dict, obs: Observation, noise: 
         model_iters = iters if kwargs.get('cuda_graphs') or kwargs.get('compile') else max(
             5, iters // 5)
         gen = time_calls(lambda: engine._run(text, images, states, noise_t), model_iters, device)
+        paced = time_calls(lambda: engine._run(text, images, states, noise_t), model_iters,
+                           device, period_ms) if period_ms > 0 else None
     query = time_calls(lambda: engine.predict(obs), model_iters, device)
     row = {'rung': name, 'config': {k: (list(v) if isinstance(v, tuple) else v)
                                     for k, v in kwargs.items()},
            'fp8': engine.fp8, 'bucket': text.bucket, 'prompt_tokens': text.length,
            'warmup_s': warm_s, 'generate_actions_ms': percentiles(gen),
            'full_query_ms': percentiles(query), 'actions_normalized': reference.tolist()}
+    if paced:
+        row['generate_actions_paced_ms'] = dict(percentiles(paced), period_ms=period_ms)
     if device.startswith('cuda'):
         row['peak_gb'] = torch.cuda.max_memory_allocated() / 2**30
         row['reserved_gb'] = torch.cuda.memory_reserved() / 2**30
@@ -170,6 +183,9 @@ def main() -> None:
     ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')
     ap.add_argument('--buckets', default='auto', help="comma list, or 'auto'")
     ap.add_argument('--recompile-check', action='store_true')
+    ap.add_argument('--period-ms', type=float, default=0.0,
+                    help='also time generate_actions started every PERIOD ms (the GPU idle in '
+                         'between, as under the node\'s chunk schedule), besides back to back')
     ap.add_argument('--out', default='benchmarks/out/inference.json')
     args = ap.parse_args()
 
@@ -199,7 +215,8 @@ def main() -> None:
     rows, last_engine = [], None
     for name in args.rungs.split(','):
         print(f'rung {name} ...', flush=True)
-        row = run_rung(name, model, configs[name], obs, noise, args.iters, device)
+        row = run_rung(name, model, configs[name], obs, noise, args.iters, device,
+                       args.period_ms)
         last_engine = row.pop('engine')
         rows.append(row)
         write_json(args.out, {'partial': True, 'rows': rows})
@@ -207,6 +224,10 @@ def main() -> None:
         print(f'  {name}: generate_actions median {g["median"]:.2f} ms p99 {g["p99"]:.2f}; '
               f'full query median {q["median"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s',
               flush=True)
+        if 'generate_actions_paced_ms' in row:
+            p = row['generate_actions_paced_ms']
+            print(f'  {name}: generate_actions started every {args.period_ms:g} ms: median '
+                  f'{p["median"]:.2f} ms p99 {p["p99"]:.2f} max {p["max"]:.2f}', flush=True)
 
     eager = next((r for r in rows if r['rung'] == 'eager'), rows[0])
     ref = np.asarray(eager['actions_normalized'])
