@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConnectorConfig, LlmConfig, VitConfig
+from .ops import residual_linear
 
 
 def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -99,13 +100,17 @@ class ViTMLP(nn.Module):
         self.w1 = nn.Linear(dim, hidden)
         self.w2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., dim) -> (..., dim); with `residual` (..., dim): residual + w2(...), on CUDA
+        as one GEMM with the residual as its C operand (`ops.residual_linear`)."""
         if x.is_cuda:
             shape = x.shape
             h = torch._addmm_activation(self.w1.bias, x.reshape(-1, shape[-1]),
                                         self.w1.weight.t(), use_gelu=True)
-            return self.w2(h.view(*shape[:-1], h.shape[-1]))
-        return self.w2(F.gelu(self.w1(x), approximate='tanh'))
+            h = h.view(*shape[:-1], h.shape[-1])
+        else:
+            h = F.gelu(self.w1(x), approximate='tanh')
+        return self.w2(h) if residual is None else residual_linear(self.w2, h, residual)
 
 
 class ResidualAttentionBlock(nn.Module):
@@ -121,7 +126,7 @@ class ResidualAttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attention_norm(x)
         x = x + self.attention(h, h)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return self.feed_forward(self.ffn_norm(x), residual=x)
 
 
 class BlockCollection(nn.Module):
