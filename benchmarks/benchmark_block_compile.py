@@ -51,17 +51,7 @@ def attention_repeat(self, x, cos, sin, attn_bias):
     return self.attn_out(out.transpose(1, 2).reshape(b, n, -1))
 
 
-def forward_add_after(self, x, cos, sin, attn_bias):
-    """The LLM block with its closing residual added after ff_out (a separate elementwise
-    pass; the model until 2026-11-30) instead of as ff_out's C operand."""
-    h = x + self.attention(self.attn_norm(x), cos, sin, attn_bias)
-    up, gate = self.ff_proj(self.ff_norm(h)).chunk(2, dim=-1)
-    return h + self.ff_out(F.silu(gate) * up)
-
-
 ATTENTION = {'repeat': attention_repeat, 'gqa': llm.OLMoSequentialBlock.attention}
-BLOCK_END = {'residual as C': llm.OLMoSequentialBlock.forward,
-             'residual added after': forward_add_after}
 
 
 def main(argv=None) -> int:
@@ -125,13 +115,11 @@ def main(argv=None) -> int:
         compiled = torch.compile(block, dynamic=False, fullgraph=True)
         for name, opts in options.items():
             for attn_name, attention in attentions.items():
-                for end_name, forward in BLOCK_END.items():
-                    torch._dynamo.reset()
-                    block.attention = types.MethodType(attention, block)
-                    block.forward = types.MethodType(forward, block)
-                    with torch._inductor.config.patch(opts):
-                        record(f'LLM block, {name}, {attn_name}, {end_name}',
-                               lambda: compiled(h, cos, sin, bias), ref)
+                torch._dynamo.reset()
+                block.attention = types.MethodType(attention, block)
+                with torch._inductor.config.patch(opts):
+                    record(f'LLM block, {name}, {attn_name}',
+                           lambda: compiled(h, cos, sin, bias), ref)
 
     report(f'Inductor options: ViT 25 blocks x 8 images; one LLM block at L = {n}; bf16', rows,
            args.out)

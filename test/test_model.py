@@ -340,19 +340,3 @@ def test_wrong_noise_shape_raises_value_error(model):
     ids, images, pool, states, _ = make_inputs()
     with pytest.raises(ValueError, match='noise must be'):
         model.generate_actions(ids, images, pool, states, noise=torch.zeros(2, 3, 8))
-
-
-def test_residual_linear_off_cuda_is_the_residual_plus_the_linear():
-    """On the CPU (and for modules other than nn.Linear) `ops.residual_linear` is upstream's
-    residual + linear(x), bit for bit."""
-    from torch import nn
-
-    from molmobot_policy.model.ops import residual_linear
-
-    torch.manual_seed(0)
-    lin = nn.Linear(16, 8)
-    x, r = torch.randn(2, 5, 16), torch.randn(2, 5, 8)
-    with torch.no_grad():
-        assert torch.equal(residual_linear(lin, x, r), r + lin(x))
-        seq = nn.Sequential(lin)            # not a plain nn.Linear: the generic path
-        assert torch.equal(residual_linear(seq, x, r), r + seq(x))

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlmConfig
-from .ops import residual_linear
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +106,7 @@ class OLMoSequentialBlock(nn.Module):
                 attn_bias: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attn_norm(x), cos, sin, attn_bias)
         up, gate = self.ff_proj(self.ff_norm(h)).chunk(2, dim=-1)
-        return residual_linear(self.ff_out, F.silu(gate) * up, h)
+        return h + self.ff_out(F.silu(gate) * up)
 
 
 class Llm(nn.Module):

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConnectorConfig, LlmConfig, VitConfig
-from .ops import residual_linear
 
 
 def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -100,17 +99,13 @@ class ViTMLP(nn.Module):
         self.w1 = nn.Linear(dim, hidden)
         self.w2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., dim) -> (..., dim); with `residual` (..., dim): residual + w2(...), on CUDA
-        as one GEMM with the residual as its C operand (`ops.residual_linear`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             shape = x.shape
             h = torch._addmm_activation(self.w1.bias, x.reshape(-1, shape[-1]),
                                         self.w1.weight.t(), use_gelu=True)
-            h = h.view(*shape[:-1], h.shape[-1])
-        else:
-            h = F.gelu(self.w1(x), approximate='tanh')
-        return self.w2(h) if residual is None else residual_linear(self.w2, h, residual)
+            return self.w2(h.view(*shape[:-1], h.shape[-1]))
+        return self.w2(F.gelu(self.w1(x), approximate='tanh'))
 
 
 class ResidualAttentionBlock(nn.Module):
@@ -126,7 +121,7 @@ class ResidualAttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attention_norm(x)
         x = x + self.attention(h, h)
-        return self.feed_forward(self.ffn_norm(x), residual=x)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class BlockCollection(nn.Module):
