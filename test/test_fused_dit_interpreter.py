@@ -26,6 +26,7 @@ from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.runtime import fused_dit
 
 states_mode, padded, tiles = sys.argv[1], sys.argv[2] == '1', json.loads(sys.argv[3])
+poison = sys.argv[4] == '1'     # the kernel's float scratch allocated full of NaN
 cfg = MolmoBotConfig.from_name('tiny')
 torch.manual_seed(0)
 ae = ckpt.random_model(cfg, 0, torch.device('cpu'), torch.float32).action_expert
@@ -54,19 +55,30 @@ with torch.inference_mode():
     _, ref32, _, _ = blocks(copy.deepcopy(ae), torch.float32)
     ae16 = copy.deepcopy(ae).half()
     x, ref16, ctx, cond = blocks(ae16, torch.float16)
-    fused = fused_dit.FusedDiTStep(ae16, phased=True, tiles=tiles)(x, cond.blocks, ctx)
+    empty = torch.empty
+    if poison:
+        def nan_empty(*args, **kwargs):
+            t = empty(*args, **kwargs)
+            return t.fill_(float('nan')) if t.is_floating_point() else t
+        torch.empty = nan_empty
+    try:
+        fused = fused_dit.FusedDiTStep(ae16, phased=True, tiles=tiles)(x, cond.blocks, ctx)
+    finally:
+        torch.empty = empty
 scale = ref32.abs().max()
 print(json.dumps({'fused': float((fused.float() - ref32).abs().max() / scale),
                   'blocks': float((ref16.float() - ref32).abs().max() / scale),
-                  'shape_ok': fused.shape == ref16.shape and fused.dtype == torch.float16}))
+                  'shape_ok': fused.shape == ref16.shape and fused.dtype == torch.float16,
+                  'finite': bool(torch.isfinite(fused).all())}))
 '''
 
 
-def run_check(states_mode: str, padded: bool, tiles: dict | None = None) -> dict:
+def run_check(states_mode: str, padded: bool, tiles: dict | None = None,
+              poison: bool = False) -> dict:
     env = dict(os.environ, TRITON_INTERPRET='1')
     out = subprocess.run([sys.executable, '-c', CHECK, states_mode, '1' if padded else '0',
-                          json.dumps(tiles or {})], env=env, capture_output=True, text=True,
-                         timeout=300)
+                          json.dumps(tiles or {}), '1' if poison else '0'], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,6 +94,16 @@ def test_interpreted_kernel_matches_float32_no_worse_than_the_fp16_blocks(states
 def test_interpreted_kernel_with_fc2_unsplit_agrees():
     """KS2=1 (fc2 in one piece per tile) against the default split-K fc2: same math."""
     r = run_check('cross_attn', True, {'KS2': 1})
+    assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+
+
+def test_interpreted_kernel_reads_no_scratch_it_has_not_written():
+    """Every float scratch buffer of the step (the residual stream, xm, the row statistics,
+    the partials, the output) allocated full of NaN: the kernel writes before it reads
+    (its prologue fills x, xm and the statistics; unused statistics tiles and padding rows
+    are masked), so the result stays finite and as accurate."""
+    r = run_check('self_attn', True, poison=True)
+    assert r['finite'], r
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
 
 
