@@ -32,7 +32,8 @@ Every GEMM tile loads its epilogue's operands (row statistics, u / v, bias; the 
 gate and next scale) before its K loop, so their L2 round trips overlap the weight loads
 (14.3 -> 13.0 ms for the loop on an H200). The residual stream stays float32 inside the
 kernel (the reference rounds it to the parameter dtype after every op); matmuls take
-parameter-dtype operands with float32 accumulation, as cuBLAS does. Agreement with float32 is closer than the bf16 blocks' (tested on the GPU).
+parameter-dtype operands with float32 accumulation, as cuBLAS does. Agreement with float32 is
+closer than the bf16 blocks' (tested on the GPU).
 
 Safety of the grid barrier: the grid is exactly one program per SM, launched alone on the
 stream, so every program is resident (the barrier would hang otherwise). Where that cannot be
