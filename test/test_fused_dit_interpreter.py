@@ -27,6 +27,7 @@ from molmobot_policy.runtime import fused_dit
 
 states_mode, padded, tiles = sys.argv[1], sys.argv[2] == '1', json.loads(sys.argv[3])
 poison = sys.argv[4] == '1'     # the kernel's float scratch allocated full of NaN
+persistent = sys.argv[5] == '1'  # the persistent launch (one program here: no real barrier)
 cfg = MolmoBotConfig.from_name('tiny')
 torch.manual_seed(0)
 ae = ckpt.random_model(cfg, 0, torch.device('cpu'), torch.float32).action_expert
@@ -62,22 +63,25 @@ with torch.inference_mode():
             return t.fill_(float('nan')) if t.is_floating_point() else t
         torch.empty = nan_empty
     try:
-        fused = fused_dit.FusedDiTStep(ae16, phased=True, tiles=tiles)(x, cond.blocks, ctx)
+        fused = fused_dit.FusedDiTStep(ae16, phased=not persistent, tiles=tiles)(
+            x, cond.blocks, ctx)
     finally:
         torch.empty = empty
 scale = ref32.abs().max()
 print(json.dumps({'fused': float((fused.float() - ref32).abs().max() / scale),
                   'blocks': float((ref16.float() - ref32).abs().max() / scale),
                   'shape_ok': fused.shape == ref16.shape and fused.dtype == torch.float16,
-                  'finite': bool(torch.isfinite(fused).all())}))
+                  'finite': bool(torch.isfinite(fused).all()),
+                  'digest': fused.float().sum().item()}))
 '''
 
 
 def run_check(states_mode: str, padded: bool, tiles: dict | None = None,
-              poison: bool = False) -> dict:
+              poison: bool = False, persistent: bool = False) -> dict:
     env = dict(os.environ, TRITON_INTERPRET='1')
     out = subprocess.run([sys.executable, '-c', CHECK, states_mode, '1' if padded else '0',
-                          json.dumps(tiles or {}), '1' if poison else '0'], env=env,
+                          json.dumps(tiles or {}), '1' if poison else '0',
+                          '1' if persistent else '0'], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -105,6 +109,14 @@ def test_interpreted_kernel_reads_no_scratch_it_has_not_written():
     r = run_check('self_attn', True, poison=True)
     assert r['finite'], r
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+
+
+def test_interpreted_persistent_launch_equals_the_phased_launches():
+    """The persistent launch's loop (prologue before block 0, then 9 phases per block) run by
+    one program (its barriers pass at once) against one launch per phase: the same result."""
+    phased = run_check('cross_attn', True)
+    persistent = run_check('cross_attn', True, persistent=True)
+    assert persistent['fused'] == phased['fused'] and persistent['digest'] == phased['digest']
 
 
 def test_keys_and_values_with_different_strides_are_refused():
