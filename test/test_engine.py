@@ -144,6 +144,24 @@ def test_overlong_instruction_is_truncated_when_asked(engine):
     assert np.isfinite(chunk.actions).all()
 
 
+def test_overlong_instruction_without_buckets_is_rejected_at_the_model_limit(engine):
+    """No buckets (eager on the CPU): the limit is the model's positions (its RoPE table),
+    a clear error instead of an index error deep in the model."""
+    limit = engine.model_config.llm.max_sequence_length
+    with pytest.raises(ValueError, match=f"too long.*maximum sequence length is {limit}"):
+        engine.text_inputs(' '.join(['grasp the red cube'] * 2500))
+
+
+def test_overlong_instruction_without_buckets_is_truncated_to_the_model_limit(engine):
+    limit = engine.model_config.llm.max_sequence_length
+    e = PolicyEngine(EngineConfig(model='tiny', overlong='truncate'), model=engine.model)
+    instruction = ' '.join(['grasp the red cube'] * 2500)
+    text = e.text_inputs(instruction)
+    assert limit - 8 <= text.length <= limit and text.bucket == 0
+    chunk = e.predict(observation(instruction=instruction))
+    assert np.isfinite(chunk.actions).all()
+
+
 def test_gripper_threshold_binarises_one_dimension(engine):
     e = PolicyEngine(EngineConfig(model='tiny', gripper_index=7, gripper_threshold=128.0,
                                   gripper_open=0.0, gripper_closed=1.0), model=engine.model)

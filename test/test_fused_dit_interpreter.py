@@ -3,7 +3,8 @@
 The kernel (molmobot_policy/runtime/fused_dit.py) is GPU code; its phases run here one launch
 at a time (`phased=True`: the persistent launch's grid barrier needs concurrent programs,
 which the interpreter does not have; test_fused_dit_gpu.py checks that both give the same
-bits on the GPU), and once as the persistent launch with a single program (its loop order). The interpreter must be switched on before Triton compiles anything, so
+bits on the GPU), and once as the persistent launch with a single program (its loop
+order). The interpreter must be switched on before Triton compiles anything, so
 each check runs in a fresh interpreter process. Tiny model, float16 (the interpreter has no
 bfloat16), weights perturbed so that every gate and shift matters.
 """

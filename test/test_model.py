@@ -340,3 +340,8 @@ def test_wrong_noise_shape_raises_value_error(model):
     ids, images, pool, states, _ = make_inputs()
     with pytest.raises(ValueError, match='noise must be'):
         model.generate_actions(ids, images, pool, states, noise=torch.zeros(2, 3, 8))
+
+
+def test_unknown_preset_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match=r"unknown model preset 'tiny2'; expected one of .*'tiny'"):
+        MolmoBotConfig.from_name('tiny2')

@@ -108,3 +108,24 @@ def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
                                          r"write one of the values listed"):
         _node(ros_context, [Parameter('autostart', value=False),
                             Parameter('quantize', value=False)], 'param_bool_str')
+
+
+@pytest.mark.parametrize('value, ok', [('42', True), ('0', True), ('232', True), ('', True),
+                                       ('233', False), ('300', False), ('abc', False),
+                                       ('-1', False)])
+def test_ros_domain_id_is_checked_before_dds_starts(value, ok):
+    from molmobot_policy.ros.node import ros_domain_id_problem
+
+    problem = ros_domain_id_problem({'ROS_DOMAIN_ID': value})
+    assert (problem is None) == ok
+    if not ok:
+        assert 'ROS_DOMAIN_ID must be an integer from 0 to 232' in problem and value in problem
+
+
+def test_node_main_refuses_an_unusable_domain_id_with_a_clear_message(monkeypatch, capsys):
+    from molmobot_policy.ros import node as node_module
+
+    monkeypatch.setenv('ROS_DOMAIN_ID', '300')
+    monkeypatch.setattr(node_module.rclpy, 'init', lambda **_: pytest.fail('DDS was started'))
+    assert node_module.main([]) == 1
+    assert "ROS_DOMAIN_ID must be an integer from 0 to 232, got '300'" in capsys.readouterr().err

@@ -206,9 +206,10 @@ class MolmoBotConfig:
 
     @classmethod
     def from_name(cls, name: str) -> MolmoBotConfig:
-        """A preset by name: 'tiny', 'molmobot-droid', 'molmobot-4b-8cam'. Raises KeyError."""
+        """A preset by name: 'tiny', 'molmobot-droid', 'molmobot-4b-8cam'. Raises ValueError
+        on another name."""
         if name not in PRESETS:
-            raise KeyError(f'unknown model preset {name!r}; expected one of {sorted(PRESETS)}')
+            raise ValueError(f'unknown model preset {name!r}; expected one of {sorted(PRESETS)}')
         return PRESETS[name]()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import os
 import sys
 import threading
 import time
@@ -228,7 +229,7 @@ ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
 
 def read_model_config(engine_config: dict):
     """The engine's model config without building the engine: the checkpoint's config.yaml
-    (weights not read) or the preset. Raises FileNotFoundError / ValueError / KeyError."""
+    (weights not read) or the preset. Raises FileNotFoundError / ValueError."""
     from molmobot_policy.model.checkpoint import load_config
     from molmobot_policy.model.config import MolmoBotConfig
     if engine_config['checkpoint_path']:
@@ -396,7 +397,9 @@ class PolicyNode(LifecycleNode):
             self.get_logger().info('configuring: warming up the engine')
             self.engine.warmup()
         except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
-            self.get_logger().error(f'configure failed: {error}')
+            # a KeyError's str() is its message in quotes
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            self.get_logger().error(f'configure failed: {message}')
             self._close_engine()
             return TransitionCallbackReturn.FAILURE
         if self._param('gc_freeze'):
@@ -777,9 +780,26 @@ def unmatched_parameter_files(argv: list[str], node_name: str) -> list[str]:
     return errors
 
 
+def ros_domain_id_problem(environ) -> str | None:
+    """Why the environment's ROS_DOMAIN_ID cannot work, or None (unset is fine).
+
+    Fast DDS derives its UDP ports from the domain id (port = 7400 + 250 * id + offset), so ids
+    above 232 give ports above 65535 and DDS fails to start with a transport error only."""
+    value = environ.get('ROS_DOMAIN_ID', '').strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 232:
+        return f'ROS_DOMAIN_ID must be an integer from 0 to 232, got {value!r}'
+    return None
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    problem = ros_domain_id_problem(os.environ)
+    if problem:
+        print(f'[FATAL] [{NODE_NAME}]: {problem}', file=sys.stderr, flush=True)
+        return 1
     rclpy.init(args=args)
     node = None
     status = 0

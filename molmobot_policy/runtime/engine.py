@@ -65,8 +65,9 @@ class EngineConfig:
         kv_cache: compute the action expert's cross-attention context once per query
             (False recomputes it every flow step; for comparison only).
         buckets: fixed prompt lengths (tokens) to pad to; empty = no padding (eager only).
-        overlong: what to do with a prompt longer than the largest bucket: 'error' or
-            'truncate' (words are cut from the end of the instruction until it fits).
+        overlong: what to do with a prompt longer than the largest bucket (without buckets:
+            than the model's max_sequence_length): 'error' or 'truncate' (words are cut from
+            the end of the instruction until it fits).
         quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
         vit_fp32_attention: upstream's `float32_attention` in the ViT and the pooling
             (q, k, v cast to float32 before attention). False (default) runs the fused bf16
@@ -376,32 +377,44 @@ class PolicyEngine:
         """Prompt for `instruction`, padded to its bucket; cached per instruction.
 
         Raises:
-            ValueError: empty instruction, or a prompt longer than the largest bucket when
-                `overlong='error'`.
+            ValueError: empty instruction, or a prompt longer than the largest bucket
+                (without buckets: the model's max_sequence_length) when `overlong='error'`.
         """
         cached = self._text_cache.get(instruction)
         if cached is not None:
             return cached
         ids = self._prompt_ids(instruction)
         length, bucket = len(ids), 0
+        # the largest bucket, or without buckets the model's positions (its RoPE table)
         if self.config.buckets:
-            largest = self.config.buckets[-1]
+            largest, limit = self.config.buckets[-1], 'the largest bucket'
+            advice = 'shorten the instruction, add a larger bucket, or'
+        else:
+            largest = self.model_config.llm.max_sequence_length
+            limit, advice = "the model's maximum sequence length", 'shorten the instruction or'
+        if length > largest:
+            if self.config.overlong == 'error':
+                raise ValueError(f'instruction too long: the prompt has {length} tokens, '
+                                 f"{limit} is {largest} ({advice} set overlong='truncate')")
+            # keep the longest word prefix that fits (prompt length grows with the words):
+            # a bisection, O(log n) tokenizations even for a page of text
+            words = instruction.split()
+            lo, hi = 1, len(words) - 1           # words[:hi + 1] is known not to fit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if len(self._prompt_ids(' '.join(words[:mid]))) <= largest:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            words = words[:max(lo, 1)]
+            ids = self._prompt_ids(' '.join(words))
+            length = len(ids)
             if length > largest:
-                if self.config.overlong == 'error':
-                    raise ValueError(
-                        f'instruction too long: the prompt has {length} tokens, the largest '
-                        f'bucket is {largest} (shorten the instruction, add a larger bucket, or '
-                        f"set overlong='truncate')")
-                words = instruction.split()
-                while len(words) > 1 and length > largest:   # drop words from the end
-                    words.pop()
-                    ids = self._prompt_ids(' '.join(words))
-                    length = len(ids)
-                if length > largest:
-                    raise ValueError(f'the prompt needs {length} tokens even with a one-word '
-                                     f'instruction; the largest bucket is {largest}')
-                log.warning('instruction truncated to %d words to fit bucket %d',
-                            len(words), largest)
+                raise ValueError(f'the prompt needs {length} tokens even with a one-word '
+                                 f'instruction; {limit} is {largest}')
+            log.warning('instruction truncated to %d words to fit %d tokens', len(words),
+                        largest)
+        if self.config.buckets:
             bucket = next(b for b in self.config.buckets if b >= length)
         text = self._padded_text(ids, bucket)
         self._text_cache[instruction] = text

@@ -20,7 +20,7 @@ Phases of one block (B = 1, T <= 32 tokens; `DiTBlock.forward` is the reference)
   4. cross-attention partials per (head, 128-key chunk): row max, sum, P V (flash-decoding)
   5. combine the chunks per (head, row) into o
   6. x += gate2 * (o @ Wo2^T + bo2)
-  7. a = GELU(LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                  (exact erf GELU)
+  7. a = GELU((LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                 (exact erf GELU)
   8. x += gate3 * (a @ W2^T + b2), the K = 3072 reduction split in two halves per output tile;
      the later half to finish adds the two (a + b == b + a: the same bits either way)
 The LayerNorms cost no pass over x: every residual update (2, 6, 8) also writes its tile's row
@@ -513,7 +513,8 @@ if triton is not None:
 
 
 class FusedDiTStep:
-    """Runs every DiT block of one flow step as one persistent kernel launch.
+    """Runs every DiT block of one flow step as one persistent kernel launch (after a fill
+    that zeroes its barrier counter: two launches per step).
 
     Args:
         ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
