@@ -105,11 +105,7 @@ def main(argv=None) -> int:
         for p in block.parameters():
             p.data.normal_(0, 0.02)
         n = 1664
-        is_image, valid = bla.prompt_mask(cfg, bla.INSTRUCTIONS[0], n, dev)
-        bias = torch.zeros(n, n, dtype=torch.bfloat16, device=dev).masked_fill(
-            ~bla.allowed_matrix(is_image, valid), torch.finfo(torch.bfloat16).min)[None, None]
-        cos, sin = llm.rope_tables(lc.head_dim, n, lc.rope_theta, dev)
-        cos, sin = cos[None, None], sin[None, None]
+        bias, cos, sin = bla.llm_block_inputs(cfg, n, dev, torch.bfloat16)
         h = torch.randn(1, n, lc.d_model, device=dev, dtype=torch.bfloat16)
         ref = block(h, cos, sin, bias).float()
         compiled = torch.compile(block, dynamic=False, fullgraph=True)

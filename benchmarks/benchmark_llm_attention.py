@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from molmobot_policy.model import llm  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.preprocess import prompt, tokenizer  # noqa: E402
 
@@ -71,6 +72,20 @@ def allowed_matrix(is_image, valid):
     n = is_image.shape[0]
     causal = torch.ones(n, n, dtype=torch.bool, device=is_image.device).tril()
     return (causal | (is_image[:, None] & is_image[None, :])) & valid[None, :]
+
+
+def additive_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (L, L), True = may attend -> additive (1, 1, L, L) in dtype: 0 or finfo.min."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def llm_block_inputs(cfg: MolmoBotConfig, n: int, device, dtype: torch.dtype):
+    """(bias, cos, sin) of an LLM block at n tokens: the 8-camera prompt of INSTRUCTIONS[0]
+    padded to n as an additive mask (1, 1, n, n), and RoPE tables (1, 1, n, head_dim)."""
+    bias = additive_bias(allowed_matrix(*prompt_mask(cfg, INSTRUCTIONS[0], n, device)), dtype)
+    cos, sin = llm.rope_tables(cfg.llm.head_dim, n, cfg.llm.rope_theta, device)
+    return bias, cos[None, None], sin[None, None]
 
 
 class ImageBlockMask(NamedTuple):
@@ -223,8 +238,7 @@ def main(argv=None) -> int:
     masks = [prompt_mask(cfg, text, n, dev) for text in INSTRUCTIONS]
     is_image, valid = masks[0]
     allowed = allowed_matrix(is_image, valid)
-    bias = torch.zeros(n, n, dtype=torch.bfloat16, device=dev).masked_fill(
-        ~allowed, torch.finfo(torch.bfloat16).min)[None, None]
+    bias = additive_bias(allowed, torch.bfloat16)
 
     def reference(mask_pair):
         a = allowed_matrix(*mask_pair)

@@ -76,11 +76,7 @@ def main(argv=None) -> int:
     length = len(bla.prompt.build_prompt_ids(bla.tokenizer.tiny_tokenizer(), cfg.tokens, 8,
                                              cfg.tokens_per_image, bla.INSTRUCTIONS[0]))
     n = -(-length // 64) * 64                         # a bucket: the prompt rounded up to 64
-    is_image, valid = bla.prompt_mask(cfg, bla.INSTRUCTIONS[0], n, dev)
-    bias = torch.zeros(n, n, dtype=dtype, device=dev).masked_fill(
-        ~bla.allowed_matrix(is_image, valid), torch.finfo(dtype).min)[None, None]
-    cos, sin = llm.rope_tables(lc.head_dim, n, lc.rope_theta, dev)
-    cos, sin = cos[None, None], sin[None, None]
+    bias, cos, sin = bla.llm_block_inputs(cfg, n, dev, dtype)
     x = torch.randn(1, n, lc.d_model, device=dev, dtype=dtype)
     rows = []
     from torch._dynamo.utils import counters
