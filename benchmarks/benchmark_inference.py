@@ -68,7 +68,6 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
         '+fp8': dict(opt, quantize='fp8'),
-        '+fp8_vit': dict(opt, quantize='fp8', quantize_vit=True),   # LLM and ViT Linears
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 

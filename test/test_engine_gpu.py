@@ -132,18 +132,6 @@ def test_fp8_engine_actions_stay_close_to_bf16():
     assert np.abs(out - ref).max() / 2.0 < 0.05     # within 5 % of the [-1, 1] range (tiny model)
 
 
-def test_fp8_vit_engine_quantizes_both_and_stays_close_to_bf16():
-    base = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16'))
-    ref = base.predict(observation(), noise=noise()).actions_normalized
-    fp8 = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16', quantize='fp8',
-                                    quantize_vit=True))
-    assert fp8.fp8 in ('rowwise', 'tensor') and fp8.fp8_vit == fp8.fp8
-    assert fp8.mode['fp8_vit'] == fp8.fp8_vit
-    out = fp8.predict(observation(), noise=noise()).actions_normalized
-    assert np.isfinite(out).all()
-    assert np.abs(out - ref).max() / 2.0 < 0.05     # within 5 % of the [-1, 1] range (tiny model)
-
-
 def test_quantizing_twice_is_refused():
     e = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16', quantize='fp8'))
     with pytest.raises(ValueError, match='already fp8'):

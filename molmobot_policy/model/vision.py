@@ -91,8 +91,7 @@ class ViTMLP(nn.Module):
     erf form). That saves the separate GELU pass over the (N, 4304) activations and leaves
     w2's input contiguous, so w2 keeps its bias epilogue too (1.5 ms of 12.6 for 8 images,
     benchmarks/RESULTS.md). On CPU `_addmm_activation` computes the erf form, so the CPU path
-    stays F.gelu; so does a w1 swapped for an fp8 Linear (`model.fp8.quantize_vit_fp8_`),
-    whose GELU compile fuses with the quantization of w2's input.
+    stays F.gelu.
     """
 
     def __init__(self, dim: int, hidden: int):
@@ -101,7 +100,7 @@ class ViTMLP(nn.Module):
         self.w2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and type(self.w1) is nn.Linear:
+        if x.is_cuda:
             shape = x.shape
             h = torch._addmm_activation(self.w1.bias, x.reshape(-1, shape[-1]),
                                         self.w1.weight.t(), use_gelu=True)

@@ -175,8 +175,6 @@ PARAMETERS = {
     'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
     'quantize': ('none', _descriptor('LLM Linear quantization', _S,
                                      constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
-    'quantize_vit': (False, _descriptor(
-        "with quantize fp8: the ViT blocks' Linears in e4m3 too", _B)),
     'overlong': ('error', _descriptor(
         'a prompt longer than the largest bucket', _S,
         constraints="'error' (refuse the observation) or 'truncate' (cut words from the end "
@@ -224,9 +222,9 @@ PARAMETERS = {
 
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
-                     'cuda_graphs', 'quantize', 'quantize_vit', 'buckets', 'overlong',
-                     'vit_fp32_attention', 'fused_action_expert', 'kv_cache', 'instruction',
-                     'gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
+                     'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
+                     'fused_action_expert', 'kv_cache', 'instruction', 'gripper_index',
+                     'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
 def read_model_config(engine_config: dict):

@@ -69,8 +69,6 @@ class EngineConfig:
             than the model's max_sequence_length): 'error' or 'truncate' (words are cut from
             the end of the instruction until it fits).
         quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
-        quantize_vit: with quantize fp8, the ViT blocks' Linears (attention wq/wk/wv/wo, MLP
-            w1/w2) in e4m3 too, same granularity (`model.fp8.quantize_vit_fp8_`).
         vit_fp32_attention: upstream's `float32_attention` in the ViT and the pooling
             (q, k, v cast to float32 before attention). False (default) runs the fused bf16
             kernel, which also accumulates in float32 but rounds the probabilities to bf16;
@@ -103,7 +101,6 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()
     overlong: str = 'error'
     quantize: str = 'none'
-    quantize_vit: bool = False
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
     instruction: str = ''
@@ -151,20 +148,6 @@ class EngineConfig:
             raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
         if self.quantize != 'none' and not self.device.startswith('cuda'):
             raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')
-        if self.quantize_vit and self.quantize == 'none':
-            raise ValueError("quantize_vit=true needs quantize 'fp8', 'fp8-rowwise' or "
-                             "'fp8-tensor', got 'none'")
-
-
-def _quantize_once(blocks, names, quantize_fn, granularity: str, what: str) -> str:
-    """Quantizes `blocks` with `quantize_fn` unless a shared model already carries fp8 there
-    (then keeps it, logging the granularity found). Returns the granularity in use."""
-    from molmobot_policy.model.fp8 import fp8_granularity
-    found = fp8_granularity(blocks, names)
-    if found == 'none':
-        return quantize_fn(blocks, granularity)
-    log.info('%s Linears of the shared model are already fp8 (%s); keeping them', what, found)
-    return found
 
 
 def set_vit_fp32_attention_(model, enabled: bool) -> None:
@@ -282,16 +265,11 @@ class PolicyEngine:
                              f'of this model (0..{mcfg.action_dim - 1}, or -1 for off)')
         self.flow_steps = config.flow_steps or mcfg.flow_steps
         self._build_preprocessing()
-        self.fp8, self.fp8_vit = 'none', 'none'
+        self.fp8 = 'none'
         if config.quantize != 'none':
-            from molmobot_policy.model import fp8
+            from molmobot_policy.model.fp8 import quantize_llm_fp8_
             wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
-            self.fp8 = _quantize_once(self.model.transformer.blocks, fp8.LLM_LINEARS,
-                                      fp8.quantize_llm_fp8_, wanted, 'LLM')
-            if config.quantize_vit:
-                self.fp8_vit = _quantize_once(
-                    self.model.vision_backbone.image_vit.transformer.resblocks,
-                    fp8.VIT_LINEARS, fp8.quantize_vit_fp8_, wanted, 'ViT')
+            self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
         self._conditioning = self._precompute_conditioning()
         self.fused_reason = ''     # why the fused kernel is not used ('' when it is)
         self._fused_blocks = self._make_fused_blocks()
@@ -627,7 +605,7 @@ class PolicyEngine:
         c = self.config
         return {'model': self.model_config.name, 'device': c.device, 'dtype': c.dtype,
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
-                'kv_cache': str(c.kv_cache), 'fp8': self.fp8, 'fp8_vit': self.fp8_vit,
+                'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
                 'fused_action_expert': 'on' if self._fused_blocks is not None
                 else f'off ({self.fused_reason})',
