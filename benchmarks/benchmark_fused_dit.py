@@ -45,8 +45,6 @@ TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module def
     'persistent': {},
     'persistent, fc2 not split': {'KS2': 1},
     'persistent, acquire-load barrier wait': {'POLL': 1},
-    'persistent, barrier wait with 64 ns sleeps': {'POLL': 64},
-    'persistent, barrier wait with 256 ns sleeps': {'POLL': 256},
     'persistent BK=128': {'BK': 128, 'BKA': 128},
     'barriers only (wrong output)': {'SKIP': 1},
 }

@@ -149,25 +149,15 @@ if triton is not None:
                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _nanosleep(ns: tl.constexpr):
-        tl.inline_asm_elementwise(f'nanosleep.u32 {ns};\n mov.u32 $0, 0;', '=r', [],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _grid_sync(counter_ptr, target, POLL: tl.constexpr):
         """Grid-wide barrier: waits until every program has arrived `target` times in total.
         Arrival: a release add; waiting: acquire reads (POLL=0: atomic reads, the default;
-        POLL=1: acquire loads; POLL >= 2: acquire loads with a nanosleep of POLL ns between
-        them, fewer L2 requests and less power while waiting; not measured yet), so the
-        scratch written before the barrier is visible after it."""
+        POLL=1: acquire loads), so the scratch written before the barrier is visible after
+        it. (A nanosleep between the reads was slower on an H200: 12.85 / 13.4 ms for the
+        flow loop with 64 / 256 ns against 12.67, benchmarks/RESULTS.md.)"""
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem='release', scope='gpu')
-        if POLL >= 2:
-            seen = _load_acquire(counter_ptr)
-            while seen < target:
-                _nanosleep(POLL)
-                seen = _load_acquire(counter_ptr)
-        elif POLL == 1:
+        if POLL == 1:
             seen = _load_acquire(counter_ptr)
             while seen < target:
                 seen = _load_acquire(counter_ptr)
@@ -531,9 +521,8 @@ class FusedDiTStep:
         ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
         tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
-            POLL (barrier wait: 0 atomic reads, 1 acquire loads, >= 2 acquire loads with
-            that many ns of sleep between them; `_grid_sync`), SKIP (1: barriers only),
-            KS2 (1 or 2: fc2 split-K) (benchmarks).
+            POLL (barrier wait: 0 atomic reads, 1 acquire loads; `_grid_sync`), SKIP (1:
+            barriers only), KS2 (1 or 2: fc2 split-K) (benchmarks).
         phases: with `phased`, run only these phases (benchmarks time them one by one).
 
     Call: `(x, mod, ctx, tables=None) -> x` with x (1, T, D) in the parameter dtype (the action
