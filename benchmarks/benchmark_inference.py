@@ -1,6 +1,5 @@
 """Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets ->
-+bf16 ViT attention -> +fused action-expert kernel -> +K/V cache overlapping the LLM (the
-default) -> +fp8.
++bf16 ViT attention -> +fused action-expert kernel (the default) -> +fp8.
 
 Builds the full-size MolmoBot with random weights (preset `molmobot-4b-8cam`: 8 cameras
 480x640, 14-D state and actions, horizon 16, 10 flow steps) once, then times each rung of
@@ -57,19 +56,17 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
     cuda = device.startswith('cuda')
     exact = dict(vit_fp32_attention=True)      # upstream's float32 ViT attention
     blocks = dict(fused_action_expert='off')   # the compiled DiT blocks, not the fused kernel
-    after = dict(kv_cache_overlap=False)       # the K/V cache computed after the LLM
     opt = dict(base, compile=True, buckets=buckets, cuda_graphs=cuda)
     return {
         'eager': dict(base, **exact, **blocks, kv_cache=False),
         'compile': dict(base, **exact, **blocks, kv_cache=False, compile=True, buckets=(pad,)),
         '+cuda_graphs': dict(base, **exact, **blocks, kv_cache=False, compile=True,
                              buckets=(pad,), cuda_graphs=cuda),
-        '+kv_cache': dict(base, **exact, **blocks, **after, compile=True, buckets=(pad,),
+        '+kv_cache': dict(base, **exact, **blocks, compile=True, buckets=(pad,),
                           cuda_graphs=cuda),
-        '+buckets': dict(opt, **exact, **blocks, **after),
-        '+vit_bf16_attn': dict(opt, **blocks, **after),
-        '+fused_ae': dict(opt, **after),
-        '+kv_overlap': dict(opt),               # the default configuration
+        '+buckets': dict(opt, **exact, **blocks),
+        '+vit_bf16_attn': dict(opt, **blocks),
+        '+fused_ae': dict(opt),                 # the default configuration
         '+fp8': dict(opt, quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
@@ -181,7 +178,7 @@ def main() -> None:
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,'
-                    '+vit_bf16_attn,+fused_ae,+kv_overlap,+fp8')
+                    '+vit_bf16_attn,+fused_ae,+fp8')
     ap.add_argument('--iters', type=int, default=50)
     ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')
     ap.add_argument('--buckets', default='auto', help="comma list, or 'auto'")
@@ -242,8 +239,7 @@ def main() -> None:
         r['speedup_vs_eager'] = eager['generate_actions_ms']['median'] / \
             r['generate_actions_ms']['median']
     names = [r['rung'] for r in rows]
-    default = next((n for n in ('+kv_overlap', '+fused_ae', '+vit_bf16_attn') if n in names),
-                   None)
+    default = next((n for n in ('+fused_ae', '+vit_bf16_attn') if n in names), None)
     if default is not None:
         ref_default = np.asarray(rows[names.index(default)]['actions_normalized'])
         for r in rows[names.index(default) + 1:]:

@@ -248,35 +248,6 @@ def test_batched_context_key_values_equal_the_per_block_loop(models_by_dtype_and
     torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('mode', ['cross_attn', 'self_attn'])
-def test_block_key_values_one_layer_at_a_time_equal_the_batched_context(
-        models_by_dtype_and_mode, mode):
-    model = models_by_dtype_and_mode[torch.float32, mode]
-    ae = model.action_expert
-    ids, images, pool, states, _ = make_inputs()
-    with torch.no_grad():
-        hidden = model.select_ae_layers(model.llm_hidden_states(ids, images, pool))
-        tokens = ae.encode_states(states)
-        keys, values = ae.context_key_values(hidden, tokens)
-        s = ae.context_length(ids.shape[1], states.shape[1])
-        kv = torch.full((len(ae.blocks), 2, s, 2 * TINY.action_expert.hidden_size), float('nan'))
-        for j, hidden_j in enumerate(hidden.unbind(0)):
-            rows = ae.block_key_values(j, hidden_j, tokens, out=kv[j])
-            assert rows.data_ptr() == kv[j].data_ptr()          # written in place
-        got_keys, got_values = ae.split_key_values(kv)
-    assert got_keys.shape == keys.shape and s == keys.shape[-2]
-    torch.testing.assert_close(got_keys, keys, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got_values, values, rtol=1e-5, atol=1e-6)
-
-
-def test_block_outputs_yield_what_the_llm_stacks(model, hidden):
-    ids, images, pool, _, _ = make_inputs()
-    with torch.no_grad():
-        layers = list(model.transformer.block_outputs(*model.llm_inputs(ids, images, pool)))
-    assert len(layers) == TINY.llm.n_layers
-    assert torch.equal(torch.stack(layers), hidden)
-
-
 def test_stacked_kv_projections_keep_weights_keys_and_results():
     model = random_model(TINY, seed=4)
     ae = model.action_expert

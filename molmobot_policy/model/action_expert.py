@@ -257,36 +257,9 @@ class ActionExpert(nn.Module):
         s, d = ctx.shape[2], ctx.shape[3]
         weight, bias = self._kv_projections()
         kv = torch.baddbmm(bias.unsqueeze(1), ctx.reshape(n, b * s, d), weight.transpose(1, 2))
-        return self.split_key_values(kv.view(n, b, s, 2 * d))
-
-    def split_key_values(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K|V rows (n_blocks, B, S, 2 hidden) (each row: the block's kv_proj output) -> keys,
-        values (n_blocks, B, H, S, head_dim), strided views (keys: the first half)."""
-        n, b, s = kv.shape[:3]
         attn = self.blocks[0].attn2
         kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
         return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
-
-    def context_length(self, length: int, n_obs: int) -> int:
-        """S, the cross-attention context length for L = `length` LLM tokens and n_obs state
-        tokens: L (+ n_obs in cross_attn mode) rounded up to a multiple of CONTEXT_ALIGN."""
-        s = length + (n_obs if self.states_mode == 'cross_attn' else 0)
-        return s + (-s % CONTEXT_ALIGN)
-
-    def block_key_values(self, index: int, hidden: torch.Tensor, state_tokens: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-        """Block `index`'s slice of `context_key_values`, from its LLM layer alone: hidden
-        (B, L, llm_dim), state_tokens (B, n_obs, hidden) -> K|V rows (B, S, 2 hidden) in the
-        parameter dtype, written into `out` (same shape, contiguous) when given. Lets a
-        caller compute each block's K/V as soon as its LLM layer is done; `split_key_values`
-        over the stacked rows gives what `context_key_values` gives (within the rounding of
-        a different GEMM kernel)."""
-        ctx = self.context_rows(hidden.unsqueeze(0), state_tokens)[0]        # (B, S, hidden)
-        b, s, d = ctx.shape
-        weight, bias = self._kv_projections()
-        rows = out.view(b * s, 2 * d) if out is not None else None
-        return torch.addmm(bias[index], ctx.reshape(b * s, d), weight[index].t(),
-                           out=rows).view(b, s, 2 * d)
 
     def context_rows(self, hidden: torch.Tensor, state_tokens: torch.Tensor) -> torch.Tensor:
         """hidden (n_blocks, B, L, llm_dim), state_tokens (B, n_obs, hidden) -> every block's

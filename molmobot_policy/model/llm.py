@@ -8,8 +8,6 @@ context. `ln_f` is kept for state-dict compatibility but never computed, nor the
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,20 +136,15 @@ class Llm(nn.Module):
         self.reset_buffers(self.rope_cos.device)
         return self
 
-    def block_outputs(self, x: torch.Tensor, position_ids: torch.Tensor,
-                      attn_bias: torch.Tensor) -> Iterator[torch.Tensor]:
-        """Yields the output of every block in order, (B, L, d_model) each, before ln_f, as
-        soon as it is computed (a caller can start work on layer i while layer i + 1 runs).
-        Arguments as `forward`."""
-        cos = self.rope_cos[position_ids].unsqueeze(1)
-        sin = self.rope_sin[position_ids].unsqueeze(1)
-        for block in self.blocks:
-            x = block(x, cos, sin, attn_bias)
-            yield x
-
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attn_bias: torch.Tensor) -> torch.Tensor:
         """x (B, L, d_model) input embeddings; position_ids int64 (B, L) in
         [0, max_sequence_length); attn_bias (B, 1, L, L) additive, x's dtype.
         Returns (n_layers, B, L, d_model): the output of every block, before ln_f."""
-        return torch.stack(list(self.block_outputs(x, position_ids, attn_bias)))
+        cos = self.rope_cos[position_ids].unsqueeze(1)
+        sin = self.rope_sin[position_ids].unsqueeze(1)
+        hidden = []
+        for block in self.blocks:
+            x = block(x, cos, sin, attn_bias)
+            hidden.append(x)
+        return torch.stack(hidden)

@@ -106,18 +106,6 @@ class MolmoBot(nn.Module):
         image_positions int64 (B, N*196), positions of the `<im_patch>` tokens (computed
         from input_ids when None, eager only). Raises ValueError on malformed inputs.
         """
-        return self.transformer(*self.llm_inputs(input_ids, images, token_pooling,
-                                                 position_ids, attention_mask, image_positions))
-
-    def llm_inputs(self, input_ids: torch.Tensor, images: torch.Tensor,
-                   token_pooling: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   attention_mask: torch.Tensor | None = None,
-                   image_positions: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the LLM's blocks take (`Llm.forward` / `Llm.block_outputs`): the input
-        embeddings with the image features (B, L, d_model), the position ids int64 (B, L) and
-        the additive attention bias (B, 1, L, L), parameter dtype. Arguments and errors as
-        `llm_hidden_states`."""
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f'input_ids must be int64 (B, L), got {input_ids.dtype} '
                              f'{tuple(input_ids.shape)}')
@@ -135,7 +123,7 @@ class MolmoBot(nn.Module):
         allowed = self.attention_allowed(input_ids, attention_mask)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)
-        return x, position_ids, bias
+        return self.transformer(x, position_ids, bias)
 
     # -- actions -------------------------------------------------------------------------
 

@@ -191,9 +191,6 @@ PARAMETERS = {
     'kv_cache': (True, _descriptor(
         "compute the action expert's cross-attention K/V once per query (false: every flow "
         'step, for comparison only)', _B)),
-    'kv_cache_overlap': (True, _descriptor(
-        "compute each action-expert block's K/V on a second CUDA stream while the LLM's later "
-        'layers run (CUDA, with compile or cuda_graphs)', _B)),
     'buckets': ([], _descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
     'output_topic': ('~/joint_trajectory', _descriptor(
@@ -226,7 +223,7 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'kv_cache', 'kv_cache_overlap', 'instruction', 'gripper_index',
+                     'fused_action_expert', 'kv_cache', 'instruction', 'gripper_index',
                      'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 

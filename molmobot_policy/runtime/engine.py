@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from molmobot_policy.model.action_expert import ActionExpertContext
 from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 from molmobot_policy.runtime.graphs import StaticRunner
@@ -81,11 +80,6 @@ class EngineConfig:
             otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
             runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
             the residual stream stays float32 in the kernel).
-        kv_cache_overlap: with kv_cache on a CUDA device, when the engine compiles or
-            captures graphs: each action-expert block's cross-attention K/V is computed on a
-            second CUDA stream as soon as its LLM layer is done, overlapping the LLM's later
-            layers, instead of for all blocks after the LLM (same math; the K/V GEMM runs
-            per block). `mode` says whether it is in use.
         instruction: default instruction, used when an observation carries none.
         gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
             of one action dimension (index -1 = off), in robot units.
@@ -109,7 +103,6 @@ class EngineConfig:
     quantize: str = 'none'
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
-    kv_cache_overlap: bool = True
     instruction: str = ''
     gripper_index: int = -1
     gripper_threshold: float = 0.0
@@ -280,11 +273,6 @@ class PolicyEngine:
         self._conditioning = self._precompute_conditioning()
         self.fused_reason = ''     # why the fused kernel is not used ('' when it is)
         self._fused_blocks = self._make_fused_blocks()
-        c = config
-        # a second stream for the K/V cache (`kv_cache_overlap`); None = computed after the LLM
-        self._kv_overlap_stream = (
-            torch.cuda.Stream(self.device) if c.kv_cache_overlap and c.kv_cache
-            and self.device.type == 'cuda' and (c.compile or c.cuda_graphs) else None)
         self._text_cache: dict[str, TextInputs] = {}
         self._runners: dict[int, StaticRunner] = {}
         self._query_fn = self._make_query_fn()
@@ -359,46 +347,16 @@ class PolicyEngine:
         conditioning, steps = self._conditioning, self.flow_steps
         kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
         fused = self._fused_blocks
-        overlap = self._kv_overlap_stream
-
-        def overlapped_context(input_ids, attention_mask, position_ids, image_positions,
-                               token_pooling, images, states) -> ActionExpertContext:
-            """`prepare_context` with block j's K/V computed on the side stream as soon as
-            LLM layer layer_ids[j] is done (the LLM's later layers run meanwhile)."""
-            x, position_ids, bias = model.llm_inputs(
-                input_ids, images, token_pooling, position_ids=position_ids,
-                attention_mask=attention_mask, image_positions=image_positions)
-            state_tokens = ae.encode_states(states)
-            b, length = input_ids.shape
-            kv = torch.empty(len(layer_ids), b, ae.context_length(length, states.shape[1]),
-                             2 * ae.cfg.hidden_size, dtype=ae.dtype, device=x.device)
-            main, held = torch.cuda.current_stream(), []
-            for layer, h in enumerate(model.transformer.block_outputs(x, position_ids, bias)):
-                for j in (j for j, wanted in enumerate(layer_ids) if wanted == layer):
-                    held.append(h)          # kept alive (unreused) until the join below
-                    overlap.wait_stream(main)
-                    with torch.cuda.stream(overlap):
-                        ae.block_key_values(j, h, state_tokens, out=kv[j])
-            main.wait_stream(overlap)
-            keys, values = ae.split_key_values(kv)
-            return ActionExpertContext(keys, values,
-                                       ae.cross_mask_bias(attention_mask, states.shape[1]),
-                                       state_tokens)
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
+            hidden = model.llm_hidden_states(
+                input_ids, images, token_pooling, position_ids=position_ids,
+                attention_mask=attention_mask, image_positions=image_positions)
+            hidden = hidden[layer_ids] if len(layer_ids) != hidden.shape[0] else hidden
             x = noise
-            if overlap is not None:
-                ctx = overlapped_context(input_ids, attention_mask, position_ids,
-                                         image_positions, token_pooling, images, states)
-            else:
-                hidden = model.llm_hidden_states(
-                    input_ids, images, token_pooling, position_ids=position_ids,
-                    attention_mask=attention_mask, image_positions=image_positions)
-                hidden = hidden[layer_ids] if len(layer_ids) != hidden.shape[0] else hidden
             if kv_cache:
-                if overlap is None:
-                    ctx = ae.prepare_context(hidden, attention_mask, states)
+                ctx = ae.prepare_context(hidden, attention_mask, states)
                 for i in range(steps):
                     blocks_fn = fused[i] if fused else None
                     x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx,
@@ -651,7 +609,6 @@ class PolicyEngine:
                 'vit_fp32_attention': str(c.vit_fp32_attention),
                 'fused_action_expert': 'on' if self._fused_blocks is not None
                 else f'off ({self.fused_reason})',
-                'kv_cache_overlap': str(self._kv_overlap_stream is not None),
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
 
