@@ -36,7 +36,6 @@ sys.path.insert(0, BENCH_DIR)
 
 import benchmark_llm_attention as bla  # noqa: E402
 
-from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 
 
 def split_layout(is_image: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -71,24 +70,12 @@ def cudnn_lse(q, k, v, scale):
 
 def split_attention(q, k, v, lay, lse_fn):
     """q (1, H, L, D), k / v (1, Hkv, L, D) in prompt order -> (1, H, L, D)."""
-    b, h, length, d = q.shape
-    hkv = k.shape[1]
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     img, pre, rest = lay['img'], lay['pre'], lay['rest']
     qi = q[:, :, img]
     out_i, lse_i = lse_fn(qi, k[:, :, img], v[:, :, img], scale)
-    n_img = qi.shape[2]
-    qg = qi.float().view(b, hkv, h // hkv, n_img, d)
-    scores = torch.einsum('bgrqd,bgkd->bgrqk', qg, k[:, :, pre].float()) * scale
-    scores = scores + lay['pre_bias'].float().unsqueeze(1)
-    lse_p = scores.logsumexp(-1)
-    out_p = torch.einsum('bgrqk,bgkd->bgrqd', (scores - lse_p.unsqueeze(-1)).exp(),
-                         v[:, :, pre].float())
-    lse_p, out_p = lse_p.reshape(b, h, n_img), out_p.reshape(b, h, n_img, d)
-    top = torch.maximum(lse_i.float(), lse_p)
-    w_i, w_p = (lse_i.float() - top).exp(), (lse_p - top).exp()
-    out_i = ((w_i.unsqueeze(-1) * out_i.float() + w_p.unsqueeze(-1) * out_p)
-             / (w_i + w_p).unsqueeze(-1)).to(q.dtype)
+    out_i = bla.merge_masked_keys(qi, out_i, lse_i, k[:, :, pre], v[:, :, pre],
+                                  lay['pre_bias'], scale)
     out_r = F.scaled_dot_product_attention(q[:, :, rest], k, v, attn_mask=lay['rest_bias'],
                                            enable_gqa=True)
     out = torch.empty_like(q)
@@ -107,12 +94,9 @@ def main(argv=None) -> int:
         return 1
     from torch.nn.attention import SDPBackend, sdpa_kernel
     dev = torch.device('cuda')
-    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
-    lc = cfg.llm
-    h, hkv, hd, n = lc.n_heads, lc.n_kv_heads, lc.head_dim, args.bucket
-    g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, hd, device=dev, generator=g, dtype=torch.bfloat16)
-               for heads in (h, hkv, hkv))
+    n = args.bucket
+    cfg, q, k, v = bla.attention_inputs(n, dev)
+    h, hkv, hd = cfg.llm.n_heads, cfg.llm.n_kv_heads, cfg.llm.head_dim
     is_image, valid = bla.prompt_mask(cfg, bla.INSTRUCTIONS[0], n, dev)
     bias = bla.additive_bias(bla.allowed_matrix(is_image, valid), torch.bfloat16)
     lay = split_layout(is_image, valid, torch.bfloat16)

@@ -128,6 +128,43 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse
 
 
+def merge_masked_keys(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      k_extra: torch.Tensor, v_extra: torch.Tensor, extra_bias: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Adds a few more keys to an attention result through log-sum-exps (float32 math).
+
+    q (B, H, Lq, D); out (B, H, Lq, D), lse (B, H, Lq): the attention of q over other keys;
+    k_extra / v_extra (B, Hkv, n, D), GQA as `attention_lse`; extra_bias additive (B, 1, Lq,
+    n). Returns the attention over both key sets, (B, H, Lq, D) in q's dtype:
+    (e^lse_a out_a + e^lse_p out_p) / (e^lse_a + e^lse_p).
+    """
+    b, h, n_q, d = q.shape
+    h_kv = k_extra.shape[1]
+    qg = q.float().view(b, h_kv, h // h_kv, n_q, d)
+    scores = torch.einsum('bgrqd,bgkd->bgrqk', qg, k_extra.float()) * scale
+    scores = scores + extra_bias.float().unsqueeze(1)
+    lse_p = scores.logsumexp(-1)
+    out_p = torch.einsum('bgrqk,bgkd->bgrqd', (scores - lse_p.unsqueeze(-1)).exp(),
+                         v_extra.float())
+    lse_p, out_p = lse_p.reshape(b, h, n_q), out_p.reshape(b, h, n_q, d)
+    top = torch.maximum(lse.float(), lse_p)
+    w_a, w_p = (lse.float() - top).exp(), (lse_p - top).exp()
+    return ((w_a.unsqueeze(-1) * out.float() + w_p.unsqueeze(-1) * out_p)
+            / (w_a + w_p).unsqueeze(-1)).to(q.dtype)
+
+
+def attention_inputs(n: int, dev):
+    """The molmobot-4b-8cam LLM's attention at n tokens: (cfg, q (1, H, n, hd), k / v
+    (1, Hkv, n, hd)), bf16, seeded N(0, 1)."""
+    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
+    lc = cfg.llm
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, lc.head_dim, device=dev, generator=g,
+                           dtype=torch.bfloat16) for heads in (lc.n_heads, lc.n_kv_heads,
+                                                                lc.n_kv_heads))
+    return cfg, q, k, v
+
+
 def image_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: ImageBlockMask) -> torch.Tensor:
     """Attention under an `ImageBlockMask`; equals SDPA with the full (L, L) bias.
@@ -138,27 +175,14 @@ def image_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = (e^lse_a out_a + e^lse_p out_p) / (e^lse_a + e^lse_p). Other rows: SDPA with
     `rest_bias` over every key.
     """
-    b, h, length, d = q.shape
     n_img, n_pre = mask.n_image, mask.n_pre
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     q_img = q[:, :, :n_img]
     out_img, lse_img = attention_lse(q_img, k[:, :, :n_img], v[:, :, :n_img], scale)
     if n_pre:
-        h_kv = k.shape[1]
-        qg = q_img.float().view(b, h_kv, h // h_kv, n_img, d)
-        k_pre = k[:, :, n_img:n_img + n_pre].float()
-        v_pre = v[:, :, n_img:n_img + n_pre].float()
-        scores = torch.einsum('bgrqd,bgkd->bgrqk', qg, k_pre) * scale
-        scores = scores + mask.pre_bias.float().unsqueeze(1)
-        lse_pre = scores.logsumexp(-1)
-        out_pre = torch.einsum('bgrqk,bgkd->bgrqd', (scores - lse_pre.unsqueeze(-1)).exp(),
-                               v_pre)
-        lse_pre, out_pre = lse_pre.reshape(b, h, n_img), out_pre.reshape(b, h, n_img, d)
-        top = torch.maximum(lse_img, lse_pre)
-        w_img, w_pre = (lse_img - top).exp(), (lse_pre - top).exp()
-        out_img = ((w_img.unsqueeze(-1) * out_img.float() + w_pre.unsqueeze(-1) * out_pre)
-                   / (w_img + w_pre).unsqueeze(-1)).to(q.dtype)
-    repeats = h // k.shape[1]
+        out_img = merge_masked_keys(q_img, out_img, lse_img, k[:, :, n_img:n_img + n_pre],
+                                    v[:, :, n_img:n_img + n_pre], mask.pre_bias, scale)
+    repeats = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     out_rest = F.scaled_dot_product_attention(q[:, :, n_img:], kr, vr, attn_mask=mask.rest_bias)
     return torch.cat([out_img, out_rest], dim=2)
@@ -227,13 +251,9 @@ def main(argv=None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     dev = torch.device('cuda')
-    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
-    lc = cfg.llm
-    h, hkv, hd, n = lc.n_heads, lc.n_kv_heads, lc.head_dim, args.bucket
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(1, h, n, hd, device=dev, generator=g, dtype=torch.bfloat16)
-    k = torch.randn(1, hkv, n, hd, device=dev, generator=g, dtype=torch.bfloat16)
-    v = torch.randn(1, hkv, n, hd, device=dev, generator=g, dtype=torch.bfloat16)
+    n = args.bucket
+    cfg, q, k, v = attention_inputs(n, dev)
+    h, hkv, hd = cfg.llm.n_heads, cfg.llm.n_kv_heads, cfg.llm.head_dim
     kr, vr = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
     masks = [prompt_mask(cfg, text, n, dev) for text in INSTRUCTIONS]
     is_image, valid = masks[0]
