@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from molmobot_policy.model.checkpoint import random_model  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.model.molmobot import MolmoBot  # noqa: E402
+import molmobot_policy.runtime.engine as engine_module  # noqa: E402
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 from molmobot_policy.types import Observation  # noqa: E402
 
@@ -186,8 +187,15 @@ def main() -> None:
     ap.add_argument('--period-ms', type=float, default=0.0,
                     help='also time generate_actions started every PERIOD ms (the GPU idle in '
                          'between, as under the node\'s chunk schedule), besides back to back')
+    ap.add_argument('--persistent-rows', type=int, default=None,
+                    help='override engine.PERSISTENT_ROW_LIMIT (0: Inductor\'s default); '
+                         'compiled code is shared within a process and cached on disk, so '
+                         'compare values in separate processes with separate '
+                         'TORCHINDUCTOR_CACHE_DIR')
     ap.add_argument('--out', default='benchmarks/out/inference.json')
     args = ap.parse_args()
+    if args.persistent_rows is not None:
+        engine_module.PERSISTENT_ROW_LIMIT = args.persistent_rows
 
     device = args.device
     cfg = MolmoBotConfig.from_name(args.preset)
@@ -250,7 +258,8 @@ def main() -> None:
               'command': ' '.join(sys.argv), 'host': platform.node(),
               'gpu': torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
               'torch': torch.__version__, 'preset': args.preset, 'params_b': n_params / 1e9,
-              'buckets': list(buckets), 'rows': rows}
+              'buckets': list(buckets),
+              'persistent_row_limit': engine_module.PERSISTENT_ROW_LIMIT, 'rows': rows}
     if args.recompile_check and last_engine is not None:
         result['recompile_check'] = recompile_check(last_engine, obs)
     write_json(args.out, result)

@@ -244,3 +244,20 @@ def test_compiled_engine_matches_eager_and_never_recompiles_after_warmup(engine)
 def _copy_model(engine: PolicyEngine):
     import copy
     return copy.deepcopy(engine.model)
+
+
+def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics():
+    from torch._inductor.virtualized import V
+    from molmobot_policy.runtime.engine import wide_row_reductions
+    seen = []
+
+    def fn(x):
+        seen.append(type(V.choices).__name__)
+        return x * 2
+
+    before = type(V.choices).__name__
+    assert wide_row_reductions(fn, 1024) is fn          # at Inductor's own threshold: as is
+    out = wide_row_reductions(fn, 4096)(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert seen == ['WideRowChoices']                   # installed during the call
+    assert type(V.choices).__name__ == before           # and removed after it

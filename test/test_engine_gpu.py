@@ -136,3 +136,17 @@ def test_quantizing_twice_is_refused():
     e = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16', quantize='fp8'))
     with pytest.raises(ValueError, match='already fp8'):
         quantize_llm_fp8_(e.model.transformer.blocks)
+
+
+@pytest.mark.parametrize('limit,kernel', [(0, 'triton_red_'), (4096, 'triton_per_')])
+def test_wide_row_reductions_compile_a_1152_wide_layer_norm_in_one_pass(limit, kernel):
+    from torch._inductor.utils import run_and_get_code
+    from molmobot_policy.runtime.engine import wide_row_reductions
+    torch._dynamo.reset()
+    norm = torch.nn.LayerNorm(1152, device='cuda', dtype=torch.bfloat16)
+    x = torch.randn(4096, 1152, device='cuda', dtype=torch.bfloat16)
+    compiled = torch.compile(lambda t: norm(t) * 2.0, dynamic=False)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, code = run_and_get_code(wide_row_reductions(compiled, limit), x)
+    assert kernel in '\n'.join(code)
+    torch.testing.assert_close(out, norm(x) * 2.0, rtol=2e-2, atol=2e-2)

@@ -187,6 +187,55 @@ def compile_repeated_blocks_(model) -> int:
     return count
 
 
+# Rows of up to this many elements reduced in one pass under compile on a GPU
+# (`wide_row_reductions`); 0 leaves Inductor's heuristic (1024) alone.
+PERSISTENT_ROW_LIMIT = 4096
+
+
+def wide_row_reductions(fn: Callable, limit: int) -> Callable:
+    """`fn` with Inductor's persistent-reduction heuristic widened while it runs (and compiles).
+
+    A row reduction (LayerNorm, RMSNorm) over more than 1024 elements is compiled by default
+    as a looped reduction that reads its rows twice (statistics, then normalization); a
+    persistent one keeps the row in registers and reads it once. The ViT's LayerNorms (rows of
+    1152) and the LLM's RMSNorms (2560) are above that default. This installs, for the
+    duration of each call, an `InductorChoices` whose `should_use_persistent_reduction` also
+    accepts inner reductions of up to `limit` elements (the override route that
+    `torch._inductor.choices.InductorChoices` documents; per thread, restored afterwards).
+    It changes generated code only, never results beyond reduction order. Code compiled
+    before (Inductor's on-disk cache keys do not see the handler) keeps its kernels.
+    Returns `fn` unchanged when `limit` <= 1024 or the hook is missing from this torch.
+    """
+    if limit <= 1024:
+        return fn
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.runtime.hints import ReductionHint
+        from torch._inductor.virtualized import V
+    except ImportError as err:   # pragma: no cover - depends on the torch build
+        log.info('persistent-reduction hook unavailable (%s); Inductor defaults', err)
+        return fn
+
+    class WideRowChoices(InductorChoices):
+        def should_use_persistent_reduction(self, features, cooperative_reduction):
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            return bool(inductor_config.triton.persistent_reductions
+                        and not cooperative_reduction
+                        and features.get_reduction_hint() == ReductionHint.INNER
+                        and V.graph.sizevars.statically_known_leq(features.reduction_numel,
+                                                                  limit))
+
+    choices = WideRowChoices()
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with V.set_choices_handler(choices):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
 def compile_action_expert_glue_(ae) -> bool:
     """torch.compile the action expert's per-query and per-step pieces around its blocks:
     `context_rows` (once per query: the context LayerNorm, the state-token concatenation and
@@ -370,6 +419,8 @@ class PolicyEngine:
         if self.config.compile:
             compile_repeated_blocks_(self.model)
             compile_action_expert_glue_(ae)
+            if self.device.type == 'cuda':
+                return wide_row_reductions(query, PERSISTENT_ROW_LIMIT)
         return query
 
     # ------------------------------------------------------------------ text side
