@@ -176,7 +176,8 @@ def compile_repeated_blocks_(model) -> int:
         # The ViT's LayerNorm kernels (rows of 1152) run faster with Inductor's tuned launch
         # configurations: 0.6 ms of 11.1 for 8 images on an H200 (benchmarks/RESULTS.md;
         # the LLM blocks gained 0.01 ms). `triton.multi_kernel` gained 0.8 ms but crashes
-        # in torch 2.11 when a later process loads the compiled block from Inductor's cache.
+        # in torch 2.11 when a later process loads the compiled block from Inductor's cache;
+        # the one-pass (persistent) reductions it found come from `wide_row_reductions`.
         options = ({'coordinate_descent_tuning': True} if on_gpu and blocks is vit_blocks
                    else None)
         for block in blocks:
@@ -198,7 +199,8 @@ def wide_row_reductions(fn: Callable, limit: int) -> Callable:
     A row reduction (LayerNorm, RMSNorm) over more than 1024 elements is compiled by default
     as a looped reduction that reads its rows twice (statistics, then normalization); a
     persistent one keeps the row in registers and reads it once. The ViT's LayerNorms (rows of
-    1152) and the LLM's RMSNorms (2560) are above that default. This installs, for the
+    1152) and the LLM's RMSNorms (2560) are above that default; with 4096 the full-size query
+    took 50.3 ms instead of 50.9-51.7 on an H200 (benchmarks/RESULTS.md). This installs, for the
     duration of each call, an `InductorChoices` whose `should_use_persistent_reduction` also
     accepts inner reductions of up to `limit` elements (the override route that
     `torch._inductor.choices.InductorChoices` documents; per thread, restored afterwards).
