@@ -129,3 +129,28 @@ def test_node_main_refuses_an_unusable_domain_id_with_a_clear_message(monkeypatc
     monkeypatch.setattr(node_module.rclpy, 'init', lambda **_: pytest.fail('DDS was started'))
     assert node_module.main([]) == 1
     assert "ROS_DOMAIN_ID must be an integer from 0 to 232, got '300'" in capsys.readouterr().err
+
+
+def test_out_of_range_value_names_the_allowed_range(ros_context):
+    with pytest.raises(ValueError, match=r"parameter 'chunk_period': -1.0 is out of range "
+                                         r"\(.*allowed: 0.01 to 60.0\)$") as info:
+        _node(ros_context, [Parameter('autostart', value=False),
+                            Parameter('chunk_period', value=-1.0)], 'param_range')
+    assert 'decimal point' not in str(info.value)
+
+
+def test_malformed_params_file_is_one_fatal_line_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text('/molmobot_policy:\n  ros__parameters:\n    max_step: [0.5\n')
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST')
+    env.setdefault('ROS_DOMAIN_ID', '0')
+    done = subprocess.run([sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
+                           '--params-file', str(bad)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 1
+    assert '[FATAL] [molmobot_policy]: ROS 2 could not start' in done.stderr
+    assert 'Traceback' not in done.stderr

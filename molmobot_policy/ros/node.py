@@ -284,6 +284,10 @@ class PolicyNode(LifecycleNode):
             except (InvalidParameterTypeException, InvalidParameterValueException) as error:
                 given = getattr(self, '_parameter_overrides', {}).get(name)
                 value = given.value if given is not None else '?'
+                if isinstance(error, InvalidParameterValueException):
+                    raise ValueError(f"parameter '{name}': {value!r} is out of range "
+                                     f'({descriptor.description}; {_range_text(descriptor)})'
+                                     ) from None
                 raise ValueError(
                     f"parameter '{name}': {value!r} is not a valid "
                     f"{type(default).__name__} ({descriptor.description}"
@@ -793,6 +797,14 @@ def ros_domain_id_problem(environ) -> str | None:
     return None
 
 
+def _range_text(descriptor: ParameterDescriptor) -> str:
+    """'allowed: min to max' from a descriptor's floating-point or integer range."""
+    ranges = list(descriptor.floating_point_range) or list(descriptor.integer_range)
+    if not ranges:
+        return descriptor.additional_constraints or 'see the parameter description'
+    return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -800,7 +812,12 @@ def main(args=None) -> int:
     if problem:
         print(f'[FATAL] [{NODE_NAME}]: {problem}', file=sys.stderr, flush=True)
         return 1
-    rclpy.init(args=args)
+    try:
+        rclpy.init(args=args)
+    except RCLError as error:     # e.g. a params file that is not valid YAML
+        print(f'[FATAL] [{NODE_NAME}]: ROS 2 could not start: {error}'.rstrip(),
+              file=sys.stderr, flush=True)
+        return 1
     node = None
     status = 0
     try:
