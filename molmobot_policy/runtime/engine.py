@@ -60,7 +60,9 @@ class EngineConfig:
         flow_steps: Euler steps; 0 = the model config's (10 upstream).
         num_cameras: images per observation; 0 = the model's max_images.
         compile: torch.compile every repeated block (inductor, regional compilation);
-            note: compiles the (possibly shared) model in place.
+            note: compiles the (possibly shared) model in place. On CUDA, row reductions
+            of up to PERSISTENT_ROW_LIMIT elements compile to one-pass kernels
+            (`wide_row_reductions`).
         cuda_graphs: capture each bucket's query as one CUDA graph (CUDA only).
         kv_cache: compute the action expert's cross-attention context once per query
             (False recomputes it every flow step; for comparison only).
