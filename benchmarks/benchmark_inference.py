@@ -168,6 +168,26 @@ def recompile_check(engine: PolicyEngine, obs: Observation, max_tokens: int = 20
             'new_calls_captured': after.get('calls_captured', 0) - before.get('calls_captured', 0)}
 
 
+def package_digest() -> str:
+    """sha256 (first 16 hex digits) of the molmobot_policy sources (*.py, sorted by path):
+    names the code a result came from where git cannot (the device runs a copy of the
+    working tree whose HEAD may be stale). `python3 -c 'import sys; sys.path.insert(0,
+    "benchmarks"); import benchmark_inference as b; print(b.package_digest())'` at a commit
+    gives the digest to compare."""
+    import hashlib
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        'molmobot_policy')
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(f for f in filenames if f.endswith('.py')):
+            path = os.path.join(dirpath, name)
+            digest.update(os.path.relpath(path, root).encode() + b'\0')
+            with open(path, 'rb') as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def write_json(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, 'w') as f:
@@ -256,6 +276,7 @@ def main() -> None:
                                    'mean_pct': float(dev.mean() * 100)}
     result = {'date': datetime.now(timezone.utc).isoformat(timespec='seconds'),
               'command': ' '.join(sys.argv), 'host': platform.node(),
+              'package_digest': package_digest(),
               'gpu': torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
               'torch': torch.__version__, 'preset': args.preset, 'params_b': n_params / 1e9,
               'buckets': list(buckets),
