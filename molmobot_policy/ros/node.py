@@ -371,9 +371,9 @@ class PolicyNode(LifecycleNode):
         joints = list(self._param('joint_names'))
         action_joints = list(self._param('action_joint_names'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
-        fused = engine_config['fused_action_expert']
-        if isinstance(fused, bool):       # `on` / `off` unquoted in YAML or on the command line
-            engine_config['fused_action_expert'] = 'on' if fused else 'off'
+        from molmobot_policy.runtime.engine import fused_action_expert_mode
+        engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
+            engine_config['fused_action_expert'])
         engine_config['buckets'] = tuple(engine_config['buckets'])
         engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()

@@ -39,6 +39,15 @@ OVERLONG_MODES = ('error', 'truncate')
 FUSED_AE_MODES = ('auto', 'on', 'off')
 
 
+def fused_action_expert_mode(value):
+    """`fused_action_expert` as written by a user: True / False (YAML's unquoted on / off,
+    `-p fused_action_expert:=on`) read as 'on' / 'off'; any other value unchanged
+    (`EngineConfig` validates it)."""
+    if isinstance(value, bool):
+        return 'on' if value else 'off'
+    return value
+
+
 @dataclass
 class EngineConfig:
     """Engine options; each is also a node parameter of the same name, except num_cameras
@@ -124,8 +133,7 @@ class EngineConfig:
         if self.gripper_index < -1:
             raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
                              f'{self.gripper_index}')
-        if isinstance(self.fused_action_expert, bool):
-            self.fused_action_expert = 'on' if self.fused_action_expert else 'off'
+        self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
         if self.fused_action_expert not in FUSED_AE_MODES:
             raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
                              f'{self.fused_action_expert!r}')
@@ -461,7 +469,7 @@ class PolicyEngine:
                     lo = mid
                 else:
                     hi = mid - 1
-            words = words[:max(lo, 1)]
+            words = words[:lo]
             ids = self._prompt_ids(' '.join(words))
             length = len(ids)
             if length > largest:
