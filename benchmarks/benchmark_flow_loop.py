@@ -87,26 +87,26 @@ def _self_attn_reduce(block, h):
     return a.proj(_attn_reduce(q, k, v, a.head_dim ** -0.5).reshape(bsz, n, dim))
 
 
-def _cross_attn_reduce(block, x, k, v, bias):
+def _cross_attn_reduce(block, x, k, v, bias, out_bias):
     a = block.attn2
     bsz, n, dim = x.shape
     q = a.q_proj(x).view(bsz, n, a.n_heads, a.head_dim)
     # cached K/V are (B, H, S, hd); bias (B, 1, 1, S) -> (B, 1, S, 1)
     out = _attn_reduce(q, k.transpose(1, 2), v.transpose(1, 2), a.head_dim ** -0.5,
                        bias[:, 0, 0, :, None].unsqueeze(1))
-    return a.proj(out.reshape(bsz, n, dim))
+    return F.linear(out.reshape(bsz, n, dim), a.proj.weight, out_bias)
 
 
 def make_forward(self_attn, cross_reduce):
-    def forward(self, x, mod, k, v, bias):
+    def forward(self, x, mod, k, v, bias, out_bias):
         sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
         h = ae_mod.modulate(self.norm1(x), sh1, sc1)
         x = x + g1.unsqueeze(1) * self_attn(self, h)
         h = ae_mod.modulate(self.norm2(x), sh2, sc2)
         if cross_reduce:
-            x = x + g2.unsqueeze(1) * _cross_attn_reduce(self, h, k, v, bias)
+            x = x + g2.unsqueeze(1) * _cross_attn_reduce(self, h, k, v, bias, out_bias)
         else:
-            x = x + g2.unsqueeze(1) * self.attn2.attend(h, k, v, bias)
+            x = x + g2.unsqueeze(1) * self.attn2.attend(h, k, v, bias, out_bias)
         return x + g3.unsqueeze(1) * self.mlp(ae_mod.modulate(self.norm3(x), sh3, sc3))
     return forward
 
@@ -123,7 +123,7 @@ def _attention(q, k, v, scale, bias=None):
 
 def make_fused_forward(adaln_linear, gated_linear):
     """Block-step of seven fused Linears (fused_dit_kernels ops) around the two attentions."""
-    def forward(self, x, mod, k, v, bias):
+    def forward(self, x, mod, k, v, bias, out_bias):
         sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
         a1, a2, mlp = self.attn1, self.attn2, self.mlp
         bsz, n, _ = x.shape
@@ -134,7 +134,7 @@ def make_fused_forward(adaln_linear, gated_linear):
         q2 = adaln_linear(x, sh2, sc2, a2.q_proj.weight, a2.q_proj.bias)
         q2 = q2.view(bsz, n, a2.n_heads, a2.head_dim).transpose(1, 2)
         x = gated_linear(_attention(q2, k, v, a2.head_dim ** -0.5, bias), a2.proj.weight,
-                         a2.proj.bias, g2, x)
+                         out_bias, g2, x)
         h = adaln_linear(x, sh3, sc3, mlp.fc1.weight, mlp.fc1.bias, True)
         return gated_linear(h, mlp.fc2.weight, mlp.fc2.bias, g3, x)
     return forward
@@ -188,15 +188,15 @@ def main(argv=None) -> int:
         cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
                 for i in range(steps)]
 
-        def loop_fn(noise, keys, values, mask_bias, state_tokens):
-            c = ae_mod.ActionExpertContext(keys, values, mask_bias, state_tokens)
+        def loop_fn(noise, keys, values, mask_bias, state_tokens, out_bias):
+            c = ae_mod.ActionExpertContext(keys, values, mask_bias, state_tokens, out_bias)
             x = noise
             for i in range(steps):
                 x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], c)
             return x.float()
 
         inputs = dict(noise=noise, keys=ctx.keys, values=ctx.values, mask_bias=ctx.mask_bias,
-                      state_tokens=ctx.state_tokens)
+                      state_tokens=ctx.state_tokens, out_bias=ctx.out_bias)
         for block in ae.blocks:  # the fused variants' weights, concatenated outside compile
             _fused_qkv(block)
 

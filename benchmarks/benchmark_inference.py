@@ -73,10 +73,13 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
     }
 
 
-def percentiles(samples: list[float]) -> dict[str, float]:
+def percentiles(samples: list[float]) -> dict:
+    """median / p99 / max / n of per-call ms, and the samples in call order (a drift, e.g.
+    clocks settling under a power cap, shows there and not in the percentiles)."""
     a = np.asarray(samples, dtype=np.float64)
     return {'median': float(np.median(a)), 'p99': float(np.percentile(a, 99)),
-            'max': float(a.max()), 'n': int(a.size)}
+            'max': float(a.max()), 'n': int(a.size),
+            'samples': [round(float(v), 3) for v in a]}
 
 
 def sync(device: str) -> None:

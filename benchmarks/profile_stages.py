@@ -110,12 +110,12 @@ def main() -> None:
             return model.llm_hidden_states(**kw)
 
         def context_fn(hidden, attention_mask, states):
-            return ae.prepare_context(hidden, attention_mask, states).keys
+            return ae.prepare_context(hidden, attention_mask, states, engine._cross_out_bias).keys
 
         fused = engine._fused_blocks     # the engine's fused DiT kernel (None: not used)
 
-        def loop_fn(noise, keys, values, mask_bias, state_tokens, use_fused=True):
-            c = ActionExpertContext(keys, values, mask_bias, state_tokens)
+        def loop_fn(noise, keys, values, mask_bias, state_tokens, out_bias, use_fused=True):
+            c = ActionExpertContext(keys, values, mask_bias, state_tokens, out_bias)
             x = noise
             for i in range(steps):
                 blocks_fn = fused[i] if fused and use_fused else None
@@ -134,7 +134,8 @@ def main() -> None:
             'prepare_context': (context_fn, dict(hidden=hidden, attention_mask=text.attention_mask,
                                                  states=states)),
             'flow_loop': (loop_fn, dict(noise=noise, keys=ctx.keys, values=ctx.values,
-                                        mask_bias=ctx.mask_bias, state_tokens=ctx.state_tokens)),
+                                        mask_bias=ctx.mask_bias, state_tokens=ctx.state_tokens,
+                                        out_bias=ctx.out_bias)),
         }
         if fused:
             stages['flow_loop, compiled blocks'] = (loop_blocks_fn, stages['flow_loop'][1])

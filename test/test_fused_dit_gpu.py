@@ -50,7 +50,8 @@ def blocks_and_fused(ae, hidden, mask, states, x_t, t=0.3):
         x = ae.embed_actions(x_t, ctx.state_tokens)
         ref = x
         for i, block in enumerate(ae.blocks):
-            ref = block(ref, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias)
+            ref = block(ref, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias,
+                        ctx.out_bias[i])
         step = fused_dit.FusedDiTStep(ae)
         return ref, step(x, cond.blocks, ctx), (x, cond.blocks, ctx)
 

@@ -50,7 +50,8 @@ def blocks(a, dtype):
     x = a.embed_actions(x_t.to(dtype), ctx.state_tokens)
     out = x
     for i, block in enumerate(a.blocks):
-        out = block(out, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias)
+        out = block(out, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias,
+                    ctx.out_bias[i])
     return x, out, ctx, cond
 
 with torch.inference_mode():
@@ -136,7 +137,8 @@ def test_keys_and_values_with_different_strides_are_refused():
     keys = torch.zeros(n, 1, h, 32, d // h, dtype=torch.float16)
     values = torch.zeros(n, 1, 32, h, d // h, dtype=torch.float16).transpose(2, 3)
     ctx = ActionExpertContext(keys, values, torch.zeros(1, 1, 1, 32, dtype=torch.float16),
-                              torch.zeros(1, 1, d, dtype=torch.float16))
+                              torch.zeros(1, 1, d, dtype=torch.float16),
+                              torch.zeros(n, d, dtype=torch.float16))
     step = fused_dit.FusedDiTStep(ae, phased=True)
     with pytest.raises(ValueError, match='one set of strides'):
         step(torch.zeros(1, 16, d, dtype=torch.float16),

@@ -216,15 +216,25 @@ def test_cached_action_expert_equals_uncached_bitwise(models_by_dtype_and_mode, 
     assert torch.equal(x_cached, x_ref)
 
 
-def per_block_key_values(ae, hidden, state_tokens):
-    """Every block's K/V computed block by block, as the upstream loop does."""
-    keys, values = [], []
-    for block, hidden_i in zip(ae.blocks, hidden.unbind(0)):
+def per_block_contexts(ae, hidden, state_tokens):
+    """Every block's cross-attention context (B, S, hidden), block by block as upstream."""
+    out = []
+    for hidden_i in hidden.unbind(0):
         ctx = ae.context_norm(ae.context_proj(hidden_i))
         if ae.states_mode == 'cross_attn':
             ctx = torch.cat([ctx, state_tokens], dim=1)
-        ctx = torch.nn.functional.pad(ctx, (0, 0, 0, -ctx.shape[1] % 16))
-        k, v = block.attn2.key_values(ctx)
+        out.append(torch.nn.functional.pad(ctx, (0, 0, 0, -ctx.shape[1] % 16)))
+    return out
+
+
+def per_block_key_values(ae, hidden, state_tokens):
+    """Every block's K/V computed block by block with kv_proj's weight only (the cache's
+    bias-free K/V)."""
+    keys, values = [], []
+    for block, ctx in zip(ae.blocks, per_block_contexts(ae, hidden, state_tokens)):
+        a = block.attn2
+        kv = torch.nn.functional.linear(ctx, a.kv_proj.weight)
+        k, v = kv.view(*ctx.shape[:2], 2, a.n_heads, a.head_dim).permute(2, 0, 3, 1, 4)
         keys.append(k)
         values.append(v)
     return torch.stack(keys), torch.stack(values)
@@ -246,6 +256,34 @@ def test_batched_context_key_values_equal_the_per_block_loop(models_by_dtype_and
                           TINY.action_expert.hidden_size // heads)
     torch.testing.assert_close(keys, ref_keys, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('mode', ['cross_attn', 'self_attn'])
+def test_bias_free_cross_attention_equals_upstreams_biased_key_values(models_by_dtype_and_mode,
+                                                                      mode):
+    """The cache's K/V leave out kv_proj's bias and fold the value bias into the output
+    bias: each block's cross-attention output equals upstream's attention over biased K/V
+    (kv_proj with its bias, proj with its own bias), padding masked."""
+    model = models_by_dtype_and_mode[torch.float32, mode]
+    ae = model.action_expert
+    ids, images, pool, states, _ = make_inputs()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, -5:] = False
+    with torch.no_grad():
+        hidden = model.select_ae_layers(model.llm_hidden_states(ids, images, pool))
+        ctx = ae.prepare_context(hidden, mask, states)
+        x = torch.randn(ids.shape[0], TINY.action_horizon, TINY.action_expert.hidden_size)
+        contexts = per_block_contexts(ae, hidden, ctx.state_tokens)
+        for i, block in enumerate(ae.blocks):
+            d = TINY.action_expert.hidden_size
+            assert block.attn2.kv_proj.bias[:d].abs().min() > 0   # biases that would matter
+            assert block.attn2.kv_proj.bias[d:].abs().min() > 0
+            upstream = block.attn2(x, contexts[i], ctx.mask_bias)
+            cached = block.attn2.attend(x, ctx.keys[i], ctx.values[i], ctx.mask_bias,
+                                        ctx.out_bias[i])
+            torch.testing.assert_close(cached, upstream, rtol=1e-5, atol=1e-6)
+            without_fold = block.attn2.attend(x, ctx.keys[i], ctx.values[i], ctx.mask_bias)
+            assert not torch.allclose(without_fold, upstream, rtol=1e-3, atol=1e-4)
 
 
 def test_stacked_kv_projections_keep_weights_keys_and_results():

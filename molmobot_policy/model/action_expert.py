@@ -10,6 +10,10 @@ Two ways to evaluate the velocity field, equal bit for bit:
 - `prepare_context(...)` once per query (context projection, every block's cross-attention
   K/V, the mask bias, the state tokens: the per-query K/V cache), then per flow step
   `velocity(x_t, t, ctx)` = `velocity_from_conditioning(x_t, time_conditioning(t), ctx)`.
+Both attend to cross-attention K/V computed without kv_proj's bias, whose two halves change
+no output in exact arithmetic (the key bias cancels in the softmax; the value bias is folded
+into the output projection's bias): `context_key_values`. Upstream's biased K/V agree to
+rounding (tested).
 """
 from __future__ import annotations
 
@@ -49,12 +53,14 @@ def is_stack_of(stacked: torch.Tensor | None, params: list[nn.Parameter]) -> boo
 class ActionExpertContext:
     """Per-query cache, identical for every flow step.
 
-    keys, values: (n_blocks, B, H, S, head_dim) cross-attention K/V of every block, S = L
-        context tokens (+ n_obs state tokens in cross_attn mode) rounded up to a multiple of
-        CONTEXT_ALIGN (the extra rows masked); any strides with the last dim contiguous
-        (`prepare_context` gives views of one K|V buffer).
+    keys, values: (n_blocks, B, H, S, head_dim) cross-attention K/V of every block without
+        kv_proj's bias (`context_key_values`), S = L context tokens (+ n_obs state tokens in
+        cross_attn mode) rounded up to a multiple of CONTEXT_ALIGN (the extra rows masked);
+        any strides with the last dim contiguous (views of one K|V buffer).
     mask_bias: (B, 1, 1, S) additive cross-attention mask, 0 or finfo(dtype).min.
     state_tokens: (B, n_obs, hidden) encoded states (used by self_attn mode).
+    out_bias: (n_blocks, hidden) every block's cross-attention output bias with the value
+        bias folded in (`cross_output_bias`); goes with these bias-free keys and values.
     All in the parameter dtype.
     """
 
@@ -62,6 +68,7 @@ class ActionExpertContext:
     values: torch.Tensor
     mask_bias: torch.Tensor
     state_tokens: torch.Tensor
+    out_bias: torch.Tensor
 
 
 @dataclass
@@ -109,8 +116,12 @@ class Attention(nn.Module):
         return kv[:, :, 0].transpose(1, 2).contiguous(), kv[:, :, 1].transpose(1, 2).contiguous()
 
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None,
+               out_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim) queries; k, v (B, H, S, head_dim); bias (B, 1, 1, S) -> (B, T, dim).
+
+        out_bias (dim,): replaces proj's bias; for K/V computed without kv_proj's bias it is
+        `ActionExpert.cross_output_bias` (see there), None for `key_values`' K/V.
 
         Written out (two batched matmuls and a float32 softmax) rather than through SDPA:
         with 16 queries the fused attention kernels are launch-bound (about 21 us a call on
@@ -123,7 +134,8 @@ class Attention(nn.Module):
             scores = scores + bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)
-        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+        return F.linear(out.transpose(1, 2).reshape(b, n, -1), self.proj.weight,
+                        self.proj.bias if out_bias is None else out_bias)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,13 +177,15 @@ class DiTBlock(nn.Module):
         return torch.stack(self.adaLN_modulation(c).chunk(9, dim=-1))
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                bias: torch.Tensor) -> torch.Tensor:
+                bias: torch.Tensor, out_bias: torch.Tensor) -> torch.Tensor:
         """x (B, T, hidden); mod (9, B, hidden); k, v (B, H, S, hd) cross-attention K/V;
-        bias (B, 1, 1, S)."""
+        bias (B, 1, 1, S); out_bias (hidden,) the cross-attention output bias that goes with
+        k, v (`ActionExpertContext.out_bias[i]` for the context cache's bias-free K/V)."""
         sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
         h = modulate(self.norm1(x), sh1, sc1)
         x = x + g1.unsqueeze(1) * self.attn1(h, h)
-        x = x + g2.unsqueeze(1) * self.attn2.attend(modulate(self.norm2(x), sh2, sc2), k, v, bias)
+        x = x + g2.unsqueeze(1) * self.attn2.attend(modulate(self.norm2(x), sh2, sc2), k, v, bias,
+                                                    out_bias)
         return x + g3.unsqueeze(1) * self.mlp(modulate(self.norm3(x), sh3, sc3))
 
 
@@ -240,7 +254,8 @@ class ActionExpert(nn.Module):
         """Every block's cross-attention K/V from its LLM layer, all blocks at once.
 
         hidden (n_blocks, B, L, llm_dim); state_tokens (B, n_obs, hidden) -> keys, values
-        (n_blocks, B, H, S, head_dim) in the parameter dtype, strided views of the GEMM's
+        (n_blocks, B, H, S, head_dim) without kv_proj's bias (below), in the parameter dtype,
+        strided views of the GEMM's
         (n_blocks, B, S, 2, H, head_dim) output (last dim contiguous; copying them into the
         (.., H, S, ..) order cost 0.56 ms per query on an H200). Block i's context is
         context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L
@@ -251,12 +266,21 @@ class ActionExpert(nn.Module):
         One GEMM projects every layer (context_proj is shared), one LayerNorm, one batched
         GEMM applies each block's kv_proj (stacked once by `stack_kv_projections_`, else
         per call): a handful of kernels where a loop over the blocks launched ~230.
+
+        kv_proj's bias is left out, which changes no attention output (in exact arithmetic):
+        the key bias b_k adds q . b_k to every score of a query row, and softmax is invariant
+        to a constant per row; every row of the probabilities P sums to 1, so
+        P (V + 1 b_v^T) = P V + 1 b_v^T, and the value bias reaches the output as
+        proj.weight @ b_v, folded into proj's bias once (`cross_output_bias`). The GEMM then
+        has no bias to add: with one, cuBLAS's batched GEMM needs the (n_blocks, S, 2 hidden)
+        bias broadcast materialized first (a 0.19 ms copy per query on an H200, stage profile
+        in benchmarks/RESULTS.md).
         """
         n, b = hidden.shape[:2]
         ctx = self.context_rows(hidden, state_tokens)
         s, d = ctx.shape[2], ctx.shape[3]
-        weight, bias = self._kv_projections()
-        kv = torch.baddbmm(bias.unsqueeze(1), ctx.reshape(n, b * s, d), weight.transpose(1, 2))
+        weight, _ = self._kv_projections()
+        kv = torch.bmm(ctx.reshape(n, b * s, d), weight.transpose(1, 2))
         attn = self.blocks[0].attn2
         kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
         return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
@@ -301,6 +325,15 @@ class ActionExpert(nn.Module):
             torch.stack(self._kv_projection_params('weight')),
             torch.stack(self._kv_projection_params('bias')))
 
+    def cross_output_bias(self) -> torch.Tensor:
+        """(n_blocks, hidden), parameter dtype: each block's cross-attention output bias with
+        its value bias folded in, attn2.proj.weight @ b_v + attn2.proj.bias (b_v: the second
+        half of attn2.kv_proj.bias); the output bias for the bias-free K/V of
+        `context_key_values`. Depends only on the weights (the engine computes it once)."""
+        d = self.cfg.hidden_size
+        return torch.stack([F.linear(block.attn2.kv_proj.bias[d:], block.attn2.proj.weight,
+                                     block.attn2.proj.bias) for block in self.blocks])
+
     def cross_mask_bias(self, encoder_mask: torch.Tensor, n_obs: int) -> torch.Tensor:
         """encoder_mask bool (B, L), True = valid -> additive (B, 1, 1, S): (1 - m) * finfo.min,
         state tokens always visible in cross_attn mode, alignment rows never (S as in
@@ -321,11 +354,14 @@ class ActionExpert(nn.Module):
                              f'{encoder_mask.dtype} {tuple(encoder_mask.shape)}')
 
     def prepare_context(self, hidden: torch.Tensor, encoder_mask: torch.Tensor,
-                        states: torch.Tensor) -> ActionExpertContext:
+                        states: torch.Tensor,
+                        out_bias: torch.Tensor | None = None) -> ActionExpertContext:
         """Everything that does not depend on x_t or t, computed once per query.
 
         hidden: (n_blocks, B, L, llm_dim), LLM outputs already selected by ae_layer_ids.
         encoder_mask: bool (B, L), False = padding. states: (B, n_obs, state_dim) normalized.
+        out_bias: `cross_output_bias()` if already computed (it depends only on the weights);
+            None computes it.
         Raises ValueError on mismatched shapes.
         """
         self._check_context_inputs(hidden, encoder_mask)
@@ -333,7 +369,8 @@ class ActionExpert(nn.Module):
         keys, values = self.context_key_values(hidden, state_tokens)
         return ActionExpertContext(keys, values,
                                    self.cross_mask_bias(encoder_mask, states.shape[1]),
-                                   state_tokens)
+                                   state_tokens,
+                                   self.cross_output_bias() if out_bias is None else out_bias)
 
     # -- per-step pieces -----------------------------------------------------------------
 
@@ -368,7 +405,8 @@ class ActionExpert(nn.Module):
             x = blocks_fn(x, cond.blocks, ctx)
         else:
             for i, block in enumerate(self.blocks):
-                x = block(x, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias)
+                x = block(x, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias,
+                          ctx.out_bias[i])
         x = x[:, x.shape[1] - x_t.shape[1]:]
         return self.final_layer(x, cond.final)
 
@@ -389,7 +427,7 @@ class ActionExpert(nn.Module):
         c = self.embed_time(t)
         x = self.embed_actions(x_t, state_tokens)
         keys, values = self.context_key_values(hidden, state_tokens)
-        for block, k, v in zip(self.blocks, keys, values):
-            x = block(x, block.modulation(c), k, v, bias)
+        for block, k, v, out_bias in zip(self.blocks, keys, values, self.cross_output_bias()):
+            x = block(x, block.modulation(c), k, v, bias, out_bias)
         x = x[:, x.shape[1] - x_t.shape[1]:]
         return self.final_layer(x, self.final_layer.modulation(c))

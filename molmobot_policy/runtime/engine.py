@@ -332,6 +332,8 @@ class PolicyEngine:
             wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
             self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
         self._conditioning = self._precompute_conditioning()
+        with torch.inference_mode():     # depends only on the weights, like the conditioning
+            self._cross_out_bias = self.model.action_expert.cross_output_bias()
         self.fused_reason = ''     # why the fused kernel is not used ('' when it is)
         self._fused_blocks = self._make_fused_blocks()
         self._text_cache: dict[str, TextInputs] = {}
@@ -407,7 +409,7 @@ class PolicyEngine:
         layer_ids = list(self.model_config.ae_layer_ids)
         conditioning, steps = self._conditioning, self.flow_steps
         kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
-        fused = self._fused_blocks
+        fused, out_bias = self._fused_blocks, self._cross_out_bias
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
@@ -417,7 +419,7 @@ class PolicyEngine:
             hidden = hidden[layer_ids] if len(layer_ids) != hidden.shape[0] else hidden
             x = noise
             if kv_cache:
-                ctx = ae.prepare_context(hidden, attention_mask, states)
+                ctx = ae.prepare_context(hidden, attention_mask, states, out_bias)
                 for i in range(steps):
                     blocks_fn = fused[i] if fused else None
                     x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx,

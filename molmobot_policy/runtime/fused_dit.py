@@ -19,7 +19,8 @@ Phases of one block (B = 1, T <= 32 tokens; `DiTBlock.forward` is the reference)
   3. q2 = (LN2(x) * (1 + scale2) + shift2) @ Wq2^T + bq2, times 1/sqrt(hd)
   4. cross-attention partials per (head, 128-key chunk): row max, sum, P V (flash-decoding)
   5. combine the chunks per (head, row) into o
-  6. x += gate2 * (o @ Wo2^T + bo2)
+  6. x += gate2 * (o @ Wo2^T + bo2), bo2 = the context's `out_bias` (the value bias folded in;
+     the cached K/V carry no bias: `ActionExpert.context_key_values`)
   7. a = GELU((LN3(x) * (1 + scale3) + shift3) @ W1^T + b1)                 (exact erf GELU)
   8. x += gate3 * (a @ W2^T + b2), the K = 3072 reduction split in two halves per output tile;
      the later half to finish adds the two (a + b == b + a: the same bits either way)
@@ -579,6 +580,10 @@ class FusedDiTStep:
             raise ValueError(f'keys and values must have one shape and one set of strides, '
                              f'the last dim contiguous; got {tuple(keys.shape)} '
                              f'{keys.stride()} and {tuple(values.shape)} {values.stride()}')
+        out_bias = ctx.out_bias
+        if out_bias.shape != (nb, d) or out_bias.dtype != x.dtype:
+            raise ValueError(f'ctx.out_bias must be ({nb}, {d}) {x.dtype}, got '
+                             f'{tuple(out_bias.shape)} {out_bias.dtype}')
         if tables is None:
             tables = self.tables(mod)
         dev, dtype = x.device, x.dtype
@@ -609,8 +614,8 @@ class FusedDiTStep:
         sync = torch.zeros(1 + ntp, device=dev, dtype=torch.int32)
         w = self.w
         args = (xs, x.contiguous(), out, mod.contiguous(), w.wq1, w.bq1, w.wkv1, w.bkv1, w.wo1,
-                w.bo1, w.wq2, w.bq2, w.wo2, w.bo2, w.w1, w.b1, w.w2, w.b2, keys, values,
-                ctx.mask_bias.reshape(-1), *scratch.values(), stats, xm, tables, sync,
+                w.bo1, w.wq2, w.bq2, w.wo2, out_bias.contiguous(), w.w1, w.b1, w.w2, w.b2, keys,
+                values, ctx.mask_bias.reshape(-1), *scratch.values(), stats, xm, tables, sync,
                 tables.shape[1] * tables.shape[2])
         tiles['BK'] = min(tiles['BK'], _next_pow2(d))
         tiles['BKA'] = min(tiles['BKA'], _next_pow2(d))
