@@ -261,3 +261,26 @@ def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics
     assert torch.equal(out, torch.full((3,), 2.0))
     assert seen == ['WideRowChoices']                   # installed during the call
     assert type(V.choices).__name__ == before           # and removed after it
+
+
+def test_compiled_vit_blocks_with_stacked_qkv_share_one_graph():
+    """Regional compile traces one ViT block and reuses it for all: the q|k|v stack is a
+    graph input like the parameters, not a per-block constant (no recompile per block)."""
+    from torch._dynamo.utils import counters
+    from molmobot_policy.model.checkpoint import random_model
+    from molmobot_policy.model.config import MolmoBotConfig
+
+    torch._dynamo.reset()
+    vit = random_model(MolmoBotConfig.from_name('tiny'), seed=0).vision_backbone.image_vit
+    blocks = vit.transformer.resblocks
+    assert len(blocks) >= 2
+    patches = torch.rand(2, 729, vit.cfg.patch_dim) * 2 - 1
+    with torch.no_grad():
+        eager = vit(patches)[-1]
+        for block in blocks:
+            block.attention.stack_qkv_()
+            block.compile(dynamic=False, fullgraph=True)
+        before = counters['stats']['unique_graphs']
+        compiled = vit(patches)[-1]
+    assert counters['stats']['unique_graphs'] - before == 1
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

@@ -312,6 +312,65 @@ def test_stacked_kv_projections_keep_weights_keys_and_results():
         assert not torch.equal(ae.context_key_values(hidden, tokens)[0], unstacked[0])
 
 
+def _vit_linear_calls(vit, patches):
+    """(last block output, F.linear calls) of one ViT forward."""
+    import torch.nn.functional as F
+    calls = []
+    real = F.linear
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    F.linear = counting
+    try:
+        out = vit(patches)[-1]
+    finally:
+        F.linear = real
+    return out, len(calls)
+
+
+def test_stacked_vit_qkv_keeps_weights_keys_and_results():
+    import copy
+    model = random_model(TINY, seed=4)
+    vit = model.vision_backbone.image_vit
+    attentions = [block.attention for block in vit.transformer.resblocks]
+    patches = torch.rand(2, 729, TINY.vit.patch_dim) * 2 - 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        unstacked, calls_unstacked = _vit_linear_calls(vit, patches)
+        for a in attentions:
+            a.stack_qkv_()
+            a.stack_qkv_()                                    # idempotent
+        a = attentions[0]
+        for i, linear in enumerate((a.wq, a.wk, a.wv)):      # the parameters are views of it
+            assert linear.weight.data_ptr() == a.qkv_stack[0][i].data_ptr()
+            assert linear.bias.data_ptr() == a.qkv_stack[1][i].data_ptr()
+        after = model.state_dict()
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        stacked, calls_stacked = _vit_linear_calls(vit, patches)
+        # one q|k|v GEMM instead of three per block
+        assert calls_unstacked - calls_stacked == 2 * len(attentions)
+        torch.testing.assert_close(stacked, unstacked, rtol=1e-5, atol=1e-5)
+        # loading other weights writes through the views: still stacked, new values used
+        other = random_model(TINY, seed=5)
+        model.load_state_dict(other.state_dict())
+        assert all(a.qkv_stacked() for a in attentions)
+        torch.testing.assert_close(vit(patches)[-1],
+                                   other.vision_backbone.image_vit(patches)[-1],
+                                   rtol=1e-5, atol=1e-5)
+        # a deep copy's parameters are new tensors: it runs three GEMMs until restacked
+        clone = copy.deepcopy(vit)
+        assert not clone.transformer.resblocks[0].attention.qkv_stacked()
+        assert _vit_linear_calls(clone, patches)[1] == calls_unstacked
+        # moving the module stacks the moved parameters again
+        vit64 = vit.to(torch.float64)
+        assert all(a.qkv_stacked() and a.qkv_stack[0].dtype == torch.float64
+                   for a in attentions)
+        assert _vit_linear_calls(vit64, patches.double())[1] == calls_stacked
+
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_precomputed_time_conditioning_equals_per_step_bitwise(models_by_dtype_and_mode, dtype):
     model = models_by_dtype_and_mode[dtype, 'cross_attn']

@@ -25,28 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ActionExpertConfig
+from .stacking import is_stack_of, stack_parameters_
 
 NORM_EPS = 1e-6          # every AE LayerNorm except the context norm (upstream)
 CONTEXT_ALIGN = 16       # cross-attention context padded to a multiple of this many tokens
 CONTEXT_NORM_EPS = 1e-5  # context_norm is a default nn.LayerNorm upstream
-
-
-def stack_parameters_(params: list[nn.Parameter]) -> torch.Tensor:
-    """Copies same-shape parameters into one (len(params), ...) tensor and re-points each to
-    its slice, in place: values, state-dict keys and `load_state_dict` (it writes through the
-    views) are unchanged; there is no second copy. Returns the stacked tensor."""
-    with torch.no_grad():
-        stacked = torch.stack([p.detach() for p in params]).contiguous()
-        for i, p in enumerate(params):
-            p.data = stacked[i]
-    return stacked
-
-
-def is_stack_of(stacked: torch.Tensor | None, params: list[nn.Parameter]) -> bool:
-    """True while every parameter is still its slice of `stacked` (`stack_parameters_`);
-    moving or replacing a parameter (`.to`, `p.data = ...`) ends it."""
-    return stacked is not None and len(params) == stacked.shape[0] and all(
-        p.data_ptr() == stacked[i].data_ptr() for i, p in enumerate(params))
 
 
 @dataclass

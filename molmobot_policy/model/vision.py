@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConnectorConfig, LlmConfig, VitConfig
+from .stacking import is_stack_of, stack_parameters_
 
 
 def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,6 +56,7 @@ class ViTMultiHeadDotProductAttention(nn.Module):
     """
 
     float32_attention = True
+    qkv_stack: tuple[torch.Tensor, torch.Tensor] | None = None   # set by `stack_qkv_`
 
     def __init__(self, dim: int, n_heads: int, head_dim: int, in_dim: int | None = None):
         super().__init__()
@@ -65,14 +67,51 @@ class ViTMultiHeadDotProductAttention(nn.Module):
         self.wv = nn.Linear(in_dim, n_heads * head_dim)
         self.wo = nn.Linear(n_heads * head_dim, dim)
 
+    def stack_qkv_(self) -> None:
+        """Re-points wq / wk / wv (weights and biases) to slices of one (3, H * hd, in_dim)
+        weight and one (3, H * hd) bias (`stacking.stack_parameters_`): in place and
+        idempotent; values, state-dict keys and `load_state_dict` unchanged, no second copy.
+        Self-attention (x_q is x_kv) then projects q, k and v with one GEMM of N = 3 H hd:
+        for the so400m ViT over 8 images 10.21 instead of 10.38 ms on an H200
+        (benchmarks/benchmark_vit_variants.py, RESULTS.md). Moving the module (`.to`) stacks
+        the moved parameters again; the compiled forward trusts the stack, so replacing a
+        parameter's tensor (`p.data = ...`) after compiling is not supported."""
+        if not self.qkv_stacked():
+            linears = (self.wq, self.wk, self.wv)
+            self.qkv_stack = (stack_parameters_([m.weight for m in linears]),
+                              stack_parameters_([m.bias for m in linears]))
+
+    def qkv_stacked(self) -> bool:
+        """True while wq / wk / wv are the slices of `qkv_stack` (a deep copy, or a parameter
+        given a new tensor, ends it; eager calls then run three GEMMs, `stack_qkv_` restacks)."""
+        stack, linears = self.qkv_stack, (self.wq, self.wk, self.wv)
+        return stack is not None and is_stack_of(stack[0], [m.weight for m in linears]) \
+            and is_stack_of(stack[1], [m.bias for m in linears])
+
+    def _apply(self, fn, recurse=True):
+        # `.to` / `.half` / `.cuda` give each parameter its own new tensor: stack those again
+        restack = self.qkv_stack is not None
+        self.qkv_stack = None
+        module = super()._apply(fn, recurse)
+        if restack:
+            self.stack_qkv_()
+        return module
+
     def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x_q (B, Tq, in_dim), x_kv (B, Tk, in_dim), attn_mask bool broadcastable to
         (B, H, Tq, Tk) -> (B, Tq, dim)."""
         b, tq, tk = x_q.shape[0], x_q.shape[1], x_kv.shape[1]
-        q = self.wq(x_q).view(b, tq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
+        # compiled code trusts the stack (`stack_qkv_` is called before compiling)
+        if self.qkv_stack is not None and x_q is x_kv and (
+                torch.compiler.is_compiling() or self.qkv_stacked()):
+            weight, bias = self.qkv_stack
+            qkv = F.linear(x_q, weight.flatten(0, 1), bias.flatten())
+            q, k, v = qkv.view(b, tq, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        else:
+            q = self.wq(x_q).view(b, tq, self.n_heads, self.head_dim).transpose(1, 2)
+            k = self.wk(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
+            v = self.wv(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
         if tq == 1 and tk <= 16:    # the pooling windows
             out = single_query_attention(q, k, v, attn_mask)
         elif self.float32_attention:

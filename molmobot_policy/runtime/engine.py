@@ -315,6 +315,8 @@ class PolicyEngine:
         self.model.eval().requires_grad_(False)
         set_vit_fp32_attention_(self.model, config.vit_fp32_attention)
         self.model.action_expert.stack_kv_projections_()   # K/V cache: one batched GEMM
+        for block in self.model.vision_backbone.image_vit.transformer.resblocks:
+            block.attention.stack_qkv_()                     # ViT q|k|v: one GEMM
         self.load_seconds = time.perf_counter() - start
         mcfg = self.model_config
         self.num_cameras = config.num_cameras or mcfg.max_images

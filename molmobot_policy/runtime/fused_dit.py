@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from molmobot_policy.model.action_expert import is_stack_of, stack_parameters_
+from molmobot_policy.model.stacking import is_stack_of, stack_parameters_
 
 try:   # triton ships with CUDA builds of torch; CPU builds run the torch path
     import triton
