@@ -8,9 +8,8 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
 - `torch`: the blocks compiled as the engine compiles them (`fused_action_expert: off`);
 - `persistent`: `molmobot_policy.runtime.fused_dit.FusedDiTStep`, one launch per flow step
   with grid barriers between phases (the default), then variants (TILE_VARIANTS: fc2 not
-  split, the self-attention as its own phase before its projection's, acquire-load barrier
-  wait, smaller K chunks) and the barriers alone (SKIP: the phases left out, so its output
-  is wrong by design: it times the synchronization);
+  split, acquire-load barrier wait, smaller K chunks) and the barriers alone (SKIP: the
+  phases left out, so its output is wrong by design: it times the synchronization);
 - `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
@@ -45,7 +44,6 @@ from profile_stages import time_runner  # noqa: E402
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
     'persistent': {},
     'persistent, fc2 not split': {'KS2': 1},
-    'persistent, self-attention as its own phase': {'SAPROJ': 0},
     'persistent, acquire-load barrier wait': {'POLL': 1},
     'persistent BK=128': {'BK': 128, 'BKA': 128},
     'barriers only (wrong output)': {'SKIP': 1},

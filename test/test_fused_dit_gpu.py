@@ -42,7 +42,7 @@ def setup(states_mode: str, padded: bool):
     return ae, ae32, hidden, mask, states, x_t
 
 
-def blocks_and_fused(ae, hidden, mask, states, x_t, t=0.3, tiles=None):
+def blocks_and_fused(ae, hidden, mask, states, x_t, t=0.3):
     """(x after the block loop, x after the fused kernel, fused kernel inputs) in bf16."""
     with torch.inference_mode():
         ctx = ae.prepare_context(hidden.to(ae.dtype), mask, states.to(ae.dtype))
@@ -52,16 +52,15 @@ def blocks_and_fused(ae, hidden, mask, states, x_t, t=0.3, tiles=None):
         for i, block in enumerate(ae.blocks):
             ref = block(ref, cond.blocks[i], ctx.keys[i], ctx.values[i], ctx.mask_bias,
                         ctx.out_bias[i])
-        step = fused_dit.FusedDiTStep(ae, tiles=tiles)
+        step = fused_dit.FusedDiTStep(ae)
         return ref, step(x, cond.blocks, ctx), (x, cond.blocks, ctx)
 
 
 @pytest.mark.parametrize('states_mode', ['cross_attn', 'self_attn'])
 @pytest.mark.parametrize('padded', [False, True])
-@pytest.mark.parametrize('saproj', [0, 1])
-def test_fused_step_matches_blocks_within_bf16_rounding(states_mode, padded, saproj):
+def test_fused_step_matches_blocks_within_bf16_rounding(states_mode, padded):
     ae, ae32, hidden, mask, states, x_t = setup(states_mode, padded)
-    ref, fused, _ = blocks_and_fused(ae, hidden, mask, states, x_t, tiles={'SAPROJ': saproj})
+    ref, fused, _ = blocks_and_fused(ae, hidden, mask, states, x_t)
     ref32, _, _ = blocks_and_fused(ae32, hidden, mask, states, x_t)
     assert fused.shape == ref.shape and fused.dtype == torch.bfloat16
     scale = ref32.abs().max()
@@ -71,14 +70,12 @@ def test_fused_step_matches_blocks_within_bf16_rounding(states_mode, padded, sap
     assert err_fused <= max(2 * err_blocks, 1e-2), (err_fused, err_blocks)
 
 
-@pytest.mark.parametrize('saproj', [0, 1])
-def test_persistent_equals_phased_launches_bitwise(saproj):
+def test_persistent_equals_phased_launches_bitwise():
     """The grid barrier orders the phases exactly as separate launches do."""
     ae, _, hidden, mask, states, x_t = setup('cross_attn', True)
-    tiles = {'SAPROJ': saproj}
-    _, fused, (x, mod, ctx) = blocks_and_fused(ae, hidden, mask, states, x_t, tiles=tiles)
+    _, fused, (x, mod, ctx) = blocks_and_fused(ae, hidden, mask, states, x_t)
     with torch.inference_mode():
-        phased = fused_dit.FusedDiTStep(ae, phased=True, tiles=tiles)(x, mod, ctx)
+        phased = fused_dit.FusedDiTStep(ae, phased=True)(x, mod, ctx)
     assert torch.equal(fused, phased)
 
 

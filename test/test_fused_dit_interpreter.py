@@ -103,19 +103,6 @@ def test_interpreted_kernel_with_fc2_unsplit_agrees():
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
 
 
-@pytest.mark.parametrize('persistent', [False, True])
-def test_interpreted_kernel_with_self_attention_in_or_before_its_projection_agrees(persistent):
-    """SAPROJ=1 (the default: phase 2 recomputes each head's self-attention, phase 1 and its
-    barrier dropped) and SAPROJ=0 (phase 1 writes o, phase 2 projects it) against the float32
-    blocks, phased and as the persistent launch's loop; not the same bits (the projection
-    sums head by head in one, by K chunks in the other), so the option changes what runs."""
-    r = run_check('self_attn', False, {'SAPROJ': 1}, persistent=persistent)
-    assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
-    two_phase = run_check('self_attn', False, {'SAPROJ': 0}, persistent=persistent)
-    assert two_phase['fused'] <= max(1.5 * two_phase['blocks'], 2e-3), two_phase
-    assert r['digest'] != two_phase['digest']
-
-
 def test_interpreted_kernel_reads_no_scratch_it_has_not_written():
     """Every float scratch buffer of the step (the residual stream, xm, the row statistics,
     the partials, the output) allocated full of NaN: the kernel writes before it reads

@@ -320,46 +320,6 @@ if triton is not None:
         tl.store(o2_ptr + rows[:, None] * D + hh * HD + ds[None, :], o, mask=qm)
 
     @triton.jit
-    def _self_attention_proj_residual(qkv_ptr, w_ptr, x_ptr, st_ptr, xm_ptr, out_ptr,
-                                      next_scale_ptr, bias_ptr, gate_ptr, pid, n_progs, T,
-                                      sm_scale, D: tl.constexpr, H: tl.constexpr,
-                                      HD: tl.constexpr, HDP: tl.constexpr, BT: tl.constexpr,
-                                      BN: tl.constexpr, NTP: tl.constexpr):
-        """Phases 1 and 2 as one (SAPROJ = 1): x += gate * (o @ W_o^T + bias) over this
-        program's output tiles, each tile recomputing every head's self-attention
-        o_h = softmax(q_h k_h^T sm_scale) v_h from the q|k|v scratch (T <= 32 tokens: a few
-        small dots per head) and applying it to the tile's rows of W_o head by head
-        (acc += o_h @ W_o[:, h HD:(h + 1) HD]^T), so o never goes through scratch and the
-        barrier between the two phases goes away. o_h is rounded to the parameter dtype
-        before the projection, as in the two-phase form."""
-        dtype = qkv_ptr.dtype.element_ty
-        rows = tl.arange(0, BT)
-        ds = tl.arange(0, HDP)
-        qm = (rows[:, None] < T) & (ds[None, :] < HD)
-        n_tiles = (D + BN - 1) // BN
-        for t in range(pid, n_tiles, n_progs):
-            n0 = t * BN
-            ns = n0 + tl.arange(0, BN)
-            x, b, g, nsc = _residual_operands(x_ptr, bias_ptr, gate_ptr, next_scale_ptr, n0, T,
-                                              D, BT, BN)
-            acc = tl.zeros((BT, BN), tl.float32)
-            for hh in range(H):
-                base = qkv_ptr + rows[:, None] * (3 * D) + hh * HD + ds[None, :]
-                q = tl.load(base, mask=qm, other=0.0, cache_modifier='.cg')
-                k = tl.load(base + D, mask=qm, other=0.0, cache_modifier='.cg')
-                v = tl.load(base + 2 * D, mask=qm, other=0.0, cache_modifier='.cg')
-                w = tl.load(w_ptr + ns[:, None] * D + hh * HD + ds[None, :],
-                            mask=(ns[:, None] < D) & (ds[None, :] < HD), other=0.0)
-                s = tl.dot(q, tl.trans(k)) * sm_scale
-                s = tl.where(rows[None, :] < T, s, float('-inf'))
-                e = tl.exp(s - tl.max(s, axis=1)[:, None])
-                prob = (e / tl.sum(e, axis=1)[:, None]).to(dtype)
-                o = tl.dot(prob, v).to(dtype)
-                acc = tl.dot(o, tl.trans(w), acc)
-            _gated_residual(x_ptr, st_ptr, xm_ptr, out_ptr, 0, acc, x, b, g, nsc, n0, T, D,
-                            BT, BN, NTP)
-
-    @triton.jit
     def _phase(p: tl.constexpr, blk, pid, n_progs, x_ptr, xin_ptr, out_ptr, mod_ptr,
                wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2,
                k2_ptr, v2_ptr, bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr,
@@ -368,12 +328,10 @@ if triton is not None:
                D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                F: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NCP: tl.constexpr,
                BN: tl.constexpr, BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
-               NTP: tl.constexpr, S2: tl.constexpr, KS2: tl.constexpr,
-               SAPROJ: tl.constexpr):
+               NTP: tl.constexpr, S2: tl.constexpr, KS2: tl.constexpr):
         """Phase p of block `blk` (see the module docstring), work split over the grid;
         p = 9: the step's prologue (x_in (T, D) in the parameter dtype to the float32 x, its
-        row statistics and xm = x * (1 + scale1) of block 0). SAPROJ = 1: phase 2 computes
-        the self-attention itself (`_self_attention_proj_residual`) and phase 1 is not run."""
+        row statistics and xm = x * (1 + scale1) of block 0)."""
         dtype = wq1.dtype.element_ty
         mod = mod_ptr + blk * 9 * D      # shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
         uw = 4 * D + F                   # u / v of one block: self q|k|v, cross q, fc1
@@ -415,15 +373,9 @@ if triton is not None:
             for hh in range(pid, H, n_progs):
                 _self_attention_head(hh, qkv_ptr, o2_ptr, T, sm_scale, D, HD, HDP, BT)
         elif p == 2:    # self-attention proj + gated residual
-            if SAPROJ == 1:
-                _self_attention_proj_residual(qkv_ptr, wo1 + blk * D * D, x_ptr, st_ptr, xm_ptr,
-                                              out_ptr, mod + 4 * D, bo1 + blk * D, mod + 2 * D,
-                                              pid, n_progs, T, sm_scale, D, H, HD, HDP, BT, BN,
-                                              NTP)
-            else:
-                _proj_residual(o2_ptr, wo1 + blk * D * D, x_ptr, st_ptr, xm_ptr, out_ptr, 0,
-                               mod + 4 * D, bo1 + blk * D, mod + 2 * D, pid, n_progs, T, D, D,
-                               BT, BN, BK, NTP, S2)
+            _proj_residual(o2_ptr, wo1 + blk * D * D, x_ptr, st_ptr, xm_ptr, out_ptr, 0,
+                           mod + 4 * D,
+                           bo1 + blk * D, mod + 2 * D, pid, n_progs, T, D, D, BT, BN, BK, NTP, S2)
         elif p == 3:    # cross-attention queries, pre-scaled
             n_tiles = (D + BN - 1) // BN
             for t in range(pid, n_tiles, n_progs):
@@ -530,8 +482,7 @@ if triton is not None:
                          BS: tl.constexpr, NCP: tl.constexpr, BN: tl.constexpr,
                          BNW: tl.constexpr, BK: tl.constexpr, BKA: tl.constexpr,
                          NTP: tl.constexpr, S2: tl.constexpr, POLL: tl.constexpr,
-                         SKIP: tl.constexpr, KS2: tl.constexpr, SAPROJ: tl.constexpr,
-                         PHASE: tl.constexpr):
+                         SKIP: tl.constexpr, KS2: tl.constexpr, PHASE: tl.constexpr):
         """PHASE = -1: the prologue (phase 9), then every phase of every block, grid barriers
         between them (persistent); PHASE = p >= 0: only phase p of block `blk_only` (one
         launch per phase). SKIP = 1 runs the barriers alone (benchmarks: their cost). sync:
@@ -545,14 +496,12 @@ if triton is not None:
                    wkv1, bkv1, wo1, bo1, wq2, bq2, wo2, bo2, w1, b1, w2, b2, k2_ptr, v2_ptr,
                    bias_ptr, qkv_ptr, q2_ptr, po_ptr, pm_ptr, pl_ptr, o2_ptr, act_ptr, st_ptr,
                    xm_ptr, uv_ptr, sync_ptr + 1, uv_half, n_blocks, T, S, NC, eps, sm_scale,
-                   ksb, ksh, kss, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2,
-                   SAPROJ)
+                   ksb, ksh, kss, D, H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
         else:
             arrivals = 0
             for blk in range(n_blocks):
                 for i in tl.static_range(10):       # i = 0: the prologue, before block 0 only
-                    # SAPROJ = 1: phase 1 (i = 2) is part of phase 2, no launch, no barrier
-                    if (i > 0 or blk == 0) and not (SAPROJ == 1 and i == 2):
+                    if i > 0 or blk == 0:
                         if SKIP == 0:
                             _phase(9 if i == 0 else i - 1, blk, pid, n_progs, x_ptr, xin_ptr,
                                    out_ptr, mod_ptr, wq1, bq1, wkv1, bkv1, wo1, bo1, wq2, bq2, wo2,
@@ -560,8 +509,7 @@ if triton is not None:
                                    po_ptr, pm_ptr,
                                    pl_ptr, o2_ptr, act_ptr, st_ptr, xm_ptr, uv_ptr, sync_ptr + 1,
                                    uv_half, n_blocks, T, S, NC, eps, sm_scale, ksb, ksh, kss, D,
-                                   H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2,
-                                   SAPROJ)
+                                   H, HD, HDP, F, BT, BS, NCP, BN, BNW, BK, BKA, NTP, S2, KS2)
                         arrivals += n_progs
                         _grid_sync(sync_ptr, arrivals, POLL)
 
@@ -575,8 +523,7 @@ class FusedDiTStep:
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
         tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
             POLL (barrier wait: 0 atomic reads, 1 acquire loads; `_grid_sync`), SKIP (1:
-            barriers only), KS2 (1 or 2: fc2 split-K), SAPROJ (1: the self-attention
-            computed inside its projection's phase, one barrier fewer per block) (benchmarks).
+            barriers only), KS2 (1 or 2: fc2 split-K) (benchmarks).
         phases: with `phased`, run only these phases (benchmarks time them one by one).
 
     Call: `(x, mod, ctx, tables=None) -> x` with x (1, T, D) in the parameter dtype (the action
@@ -592,7 +539,7 @@ class FusedDiTStep:
                  phases: tuple[int, ...] = tuple(range(N_PHASES))) -> None:
         cfg = ae.cfg
         self.tiles = dict(BN=TILE_N, BNW=TILE_N_WIDE, BK=TILE_K, BKA=TILE_K_ADALN,
-                          BS=KEY_CHUNK, S2=4, POLL=0, SKIP=0, KS2=2, SAPROJ=1, num_warps=4,
+                          BS=KEY_CHUNK, S2=4, POLL=0, SKIP=0, KS2=2, num_warps=4,
                           num_stages=4)
         self.tiles.update(tiles or {})
         self.d, self.h = cfg.hidden_size, cfg.num_heads
@@ -682,8 +629,6 @@ class FusedDiTStep:
                                    PHASE=9, **meta)
             for blk in range(nb):
                 for p in self.phases:
-                    if p == 1 and tiles['SAPROJ'] == 1:     # computed inside phase 2
-                        continue
                     _dit_step_kernel[grid](*args, nb, blk, t, s, nc, self.eps, self.sm_scale,
                                            *kv_strides, PHASE=p, **meta)
         else:
