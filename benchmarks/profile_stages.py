@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from molmobot_policy.model.action_expert import ActionExpertContext  # noqa: E402
-from molmobot_policy.runtime.engine import (PERSISTENT_ROW_LIMIT, EngineConfig,  # noqa: E402
-                                            PolicyEngine, wide_row_reductions)
+from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
 
 INSTRUCTION = 'pick up the red cube and put it in the bowl'
@@ -84,8 +83,6 @@ def main() -> None:
                                        compile=True, instruction=INSTRUCTION, buckets=buckets))
     model, ae = engine.model, engine.model.action_expert
 
-    def served(fn):
-        return wide_row_reductions(fn, PERSISTENT_ROW_LIMIT) if graphs else fn
     text = engine.text_inputs(INSTRUCTION)
     rng = np.random.default_rng(0)
     frames = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)
@@ -99,11 +96,10 @@ def main() -> None:
         llm_in = dict(input_ids=text.input_ids, images=images, token_pooling=text.token_pooling,
                       position_ids=text.position_ids, attention_mask=text.attention_mask,
                       image_positions=text.image_positions)
-        # the first call compiles the blocks: through `served`, as the engine's first query
-        # does (else the ViT and LLM kernels are Inductor's defaults, not the served ones)
-        hidden = served(model.llm_hidden_states)(**llm_in)
-        ctx = served(ae.prepare_context)(hidden, text.attention_mask, states,
-                                         engine._cross_out_bias)
+        # the first call compiles the blocks, with the engine's one-pass row reductions
+        # (`runtime.engine.compile_module_`)
+        hidden = model.llm_hidden_states(**llm_in)
+        ctx = ae.prepare_context(hidden, text.attention_mask, states, engine._cross_out_bias)
         cond, steps = engine._conditioning, engine.flow_steps
 
         def vision_fn(images, token_pooling):
@@ -147,8 +143,6 @@ def main() -> None:
                                        text.image_positions)
             stages['llm blocks, no mask (flash)'] = (llm_blocks_no_mask_fn,
                                                      dict(x=x_emb, position_ids=text.position_ids))
-        # compiled as the engine serves its query (one-pass row reductions on the GPU)
-        stages = {name: (served(fn), inputs) for name, (fn, inputs) in stages.items()}
         results, kernels = {}, {}
         for name, (fn, inputs) in stages.items():
             runner = StaticRunner(fn, inputs, cuda_graph=graphs)
@@ -158,7 +152,6 @@ def main() -> None:
                   f'{results[name]["p99"]:8.2f}', flush=True)
 
         def variant(name, fn, inputs, patch=None, unpatch=None):
-            fn = served(fn)
             try:
                 if patch:
                     patch()

@@ -246,6 +246,51 @@ def _copy_model(engine: PolicyEngine):
     return copy.deepcopy(engine.model)
 
 
+def _choices_while_compiling(run) -> list[str]:
+    """Runs `run()` and returns the class name of Inductor's choices handler active while each
+    graph compiled (recorded by a post-grad pass; Inductor's graph cache is bypassed so that
+    every graph really compiles)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.virtualized import V
+
+    seen = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(type(V.choices).__name__)
+
+        def uuid(self):
+            return None
+
+    with inductor_config.patch(post_grad_custom_pre_pass=Record(), fx_graph_cache=False):
+        run()
+    return seen
+
+
+def test_engine_blocks_compile_with_one_pass_row_reductions_whoever_calls_them_first():
+    """With a row limit, every compiled block and glue piece carries the widened heuristic
+    itself (`compile_module_`), so a first call from outside the engine's query compiles the
+    served kernels too; without one (the CPU's default), Inductor's own heuristic."""
+    from molmobot_policy.runtime.engine import (compile_action_expert_glue_,
+                                                compile_repeated_blocks_)
+
+    torch._dynamo.reset()
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(2048,)))
+    compile_repeated_blocks_(e.model, row_limit=4096)
+    compile_action_expert_glue_(e.model.action_expert, row_limit=4096)
+    obs = observation()
+    # the first call to the compiled blocks comes from the model itself, not the engine
+    seen = _choices_while_compiling(lambda: e.predict(obs))
+    # the ViT, LLM and action-expert blocks, context_rows, embed_actions, final_layer
+    assert len(seen) >= 6 and set(seen) == {'WideRowChoices'}, seen
+
+    torch._dynamo.reset()
+    plain = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)))
+    seen = _choices_while_compiling(lambda: plain.predict(obs))
+    assert len(seen) >= 6 and 'WideRowChoices' not in seen, seen
+
+
 def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics():
     from torch._inductor.virtualized import V
     from molmobot_policy.runtime.engine import wide_row_reductions

@@ -168,19 +168,39 @@ def set_vit_fp32_attention_(model, enabled: bool) -> None:
             module.float32_attention = enabled
 
 
-def compile_repeated_blocks_(model) -> int:
+def served_row_limit(module: torch.nn.Module, row_limit: int | None) -> int:
+    """The one-pass row limit to compile `module` with: `row_limit` if given, else
+    PERSISTENT_ROW_LIMIT (read now: benchmarks override it) for a module on a CUDA device and
+    0 (Inductor's own heuristic) elsewhere."""
+    if row_limit is not None:
+        return row_limit
+    return PERSISTENT_ROW_LIMIT if next(module.parameters()).is_cuda else 0
+
+
+def compile_module_(module: torch.nn.Module, row_limit: int, **compile_kwargs) -> None:
+    """`module.compile(**compile_kwargs)` whose compiled call runs, and so compiles, under
+    `wide_row_reductions(..., row_limit)`: whoever calls the module first gets the served
+    kernels (`nn.Module.compile` keeps the compiled callable in `_compiled_call_impl`, which
+    `nn.Module.__call__` runs in place of `forward`). In place."""
+    module.compile(**compile_kwargs)
+    module._compiled_call_impl = wide_row_reductions(module._compiled_call_impl, row_limit)
+
+
+def compile_repeated_blocks_(model, row_limit: int | None = None) -> int:
     """torch.compile each repeated block (ViT resblocks, LLM blocks, action-expert blocks).
 
     Regional compilation: blocks of one kind share code, so Dynamo traces each kind once
     and reuses the compiled graph for every instance (parameters are graph inputs), which
     keeps compile time to seconds for the full-size model; the CUDA graph captured around
-    the whole query (`cuda_graphs`) removes the launch gaps between blocks. In place, and
-    idempotent. Returns the number of blocks compiled now.
+    the whole query (`cuda_graphs`) removes the launch gaps between blocks. Every block
+    compiles with the one-pass row reductions of `served_row_limit(model, row_limit)`
+    (`compile_module_`). In place, and idempotent. Returns the number of blocks compiled now.
     """
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     vit_blocks = model.vision_backbone.image_vit.transformer.resblocks
     groups = (vit_blocks, model.transformer.blocks, model.action_expert.blocks)
     on_gpu = next(model.parameters()).is_cuda
+    limit = served_row_limit(model, row_limit)
     count = 0
     for blocks in groups:
         # The ViT's LayerNorm kernels (rows of 1152) run faster with Inductor's tuned launch
@@ -192,7 +212,7 @@ def compile_repeated_blocks_(model) -> int:
                    else None)
         for block in blocks:
             if not getattr(block, '_molmobot_compiled', False):
-                block.compile(dynamic=False, fullgraph=True, options=options)
+                compile_module_(block, limit, dynamic=False, fullgraph=True, options=options)
                 block._molmobot_compiled = True
                 count += 1
     return count
@@ -214,9 +234,12 @@ def wide_row_reductions(fn: Callable, limit: int) -> Callable:
     duration of each call, an `InductorChoices` whose `should_use_persistent_reduction` also
     accepts inner reductions of up to `limit` elements (the override route that
     `torch._inductor.choices.InductorChoices` documents; per thread, restored afterwards).
-    It changes generated code only, never results beyond reduction order. Code compiled
-    before (Inductor's on-disk cache keys do not see the handler) keeps its kernels.
-    Returns `fn` unchanged when `limit` <= 1024 or the hook is missing from this torch.
+    It changes generated code only, never results beyond reduction order. The engine
+    compiles every block with it (`compile_module_`), so the first call, wherever it comes
+    from, compiles the served kernels. Inductor's on-disk cache keys do not see the handler:
+    code cached by a compile with another limit in the same cache directory keeps its
+    kernels (benchmarks comparing limits use one directory each). Returns `fn` unchanged
+    when `limit` <= 1024 or the hook is missing from this torch.
     """
     if limit <= 1024:
         return fn
@@ -248,19 +271,21 @@ def wide_row_reductions(fn: Callable, limit: int) -> Callable:
     return wrapped
 
 
-def compile_action_expert_glue_(ae) -> bool:
+def compile_action_expert_glue_(ae, row_limit: int | None = None) -> bool:
     """torch.compile the action expert's per-query and per-step pieces around its blocks:
     `context_rows` (once per query: the context LayerNorm, the state-token concatenation and
     the alignment padding become one kernel instead of three passes over ~90 MB),
     `embed_actions` and `final_layer` (every flow step: a few small kernels each, fused).
-    The K/V GEMMs and the blocks (or the fused kernel) stay as they are. In place and
-    idempotent; returns whether it compiled now."""
+    The K/V GEMMs and the blocks (or the fused kernel) stay as they are. Row reductions as
+    in `compile_repeated_blocks_`. In place and idempotent; returns whether it compiled now."""
     if getattr(ae, '_molmobot_glue_compiled', False):
         return False
+    limit = served_row_limit(ae, row_limit)
     # bound methods compiled and set on the instance (they shadow the class's methods)
-    ae.context_rows = torch.compile(ae.context_rows, dynamic=False, fullgraph=True)
-    ae.embed_actions = torch.compile(ae.embed_actions, dynamic=False, fullgraph=True)
-    ae.final_layer.compile(dynamic=False, fullgraph=True)
+    for name in ('context_rows', 'embed_actions'):
+        setattr(ae, name, wide_row_reductions(
+            torch.compile(getattr(ae, name), dynamic=False, fullgraph=True), limit))
+    compile_module_(ae.final_layer, limit, dynamic=False, fullgraph=True)
     ae._molmobot_glue_compiled = True
     return True
 
@@ -432,11 +457,9 @@ class PolicyEngine:
                     x = x + dt * ae(x, t, hidden, attention_mask, states)
             return x.float()
 
-        if self.config.compile:
+        if self.config.compile:     # one-pass row reductions on CUDA: `served_row_limit`
             compile_repeated_blocks_(self.model)
             compile_action_expert_glue_(ae)
-            if self.device.type == 'cuda':
-                return wide_row_reductions(query, PERSISTENT_ROW_LIMIT)
         return query
 
     # ------------------------------------------------------------------ text side
