@@ -236,19 +236,18 @@ class ActionExpert(nn.Module):
                            state_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every block's cross-attention K/V from its LLM layer, all blocks at once.
 
-        hidden (n_blocks, B, L, llm_dim); state_tokens (B, n_obs, hidden) -> keys, values
-        (n_blocks, B, H, S, head_dim) without kv_proj's bias (below), in the parameter dtype,
-        strided views of the GEMM's
-        (n_blocks, B, S, 2, H, head_dim) output (last dim contiguous; copying them into the
-        (.., H, S, ..) order cost 0.56 ms per query on an H200). Block i's context is
-        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L
-        (+ n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
-        `cross_mask_bias` masks out: aligned K/V rows keep the cross-attention matmuls on
-        the fast vectorized kernels (an odd S, e.g. 1664 + 1, was 8 ms slower per query on
-        an H200); masked rows get exactly zero probability, so the result is unchanged.
-        One GEMM projects every layer (context_proj is shared), one LayerNorm, one batched
-        GEMM applies each block's kv_proj (stacked once by `stack_kv_projections_`, else
-        per call): a handful of kernels where a loop over the blocks launched ~230.
+        hidden (n_blocks, B, L, llm_dim); state_tokens (B, n_obs, hidden) -> keys, values (n_blocks,
+        B, H, S, head_dim) without kv_proj's bias (below), in the parameter dtype, strided views of
+        the GEMM's (n_blocks, B, S, 2, H, head_dim) output (last dim contiguous; copying them into
+        the (.., H, S, ..) order cost 0.56 ms per query on an H200). Block i's context is
+        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L (+
+        n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
+        `cross_mask_bias` masks out: aligned K/V rows keep the cross-attention matmuls on the fast
+        vectorized kernels (an odd S, e.g. 1664 + 1, was 8 ms slower per query on an H200); masked
+        rows get exactly zero probability, so the result is unchanged. One GEMM projects every layer
+        (context_proj is shared), one LayerNorm, one batched GEMM applies each block's kv_proj
+        (stacked once by `stack_kv_projections_`, else per call): a handful of kernels where a loop
+        over the blocks launched ~230.
 
         kv_proj's bias is left out, which changes no attention output (in exact arithmetic):
         the key bias b_k adds q . b_k to every score of a query row, and softmax is invariant
@@ -256,8 +255,8 @@ class ActionExpert(nn.Module):
         P (V + 1 b_v^T) = P V + 1 b_v^T, and the value bias reaches the output as
         proj.weight @ b_v, folded into proj's bias once (`cross_output_bias`). The GEMM then
         has no bias to add: with one, cuBLAS's batched GEMM needs the (n_blocks, S, 2 hidden)
-        bias broadcast materialized first (a 0.19 ms copy per query on an H200, stage profile
-        in benchmarks/RESULTS.md).
+        bias broadcast materialized first (0.41 ms against 0.21 for the full-size GEMM on an
+        H200, benchmarks/benchmark_kv_bias.py).
         """
         n, b = hidden.shape[:2]
         ctx = self.context_rows(hidden, state_tokens)
