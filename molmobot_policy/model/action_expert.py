@@ -240,8 +240,8 @@ class ActionExpert(nn.Module):
         B, H, S, head_dim) without kv_proj's bias (below), in the parameter dtype, strided views of
         the GEMM's (n_blocks, B, S, 2, H, head_dim) output (last dim contiguous; copying them into
         the (.., H, S, ..) order cost 0.56 ms per query on an H200). Block i's context is
-        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L (+
-        n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
+        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L
+        (+ n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
         `cross_mask_bias` masks out: aligned K/V rows keep the cross-attention matmuls on the fast
         vectorized kernels (an odd S, e.g. 1664 + 1, was 8 ms slower per query on an H200); masked
         rows get exactly zero probability, so the result is unchanged. One GEMM projects every layer
