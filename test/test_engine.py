@@ -133,6 +133,48 @@ def test_overlong_instruction_is_rejected_by_default(engine):
         e.text_inputs(INSTRUCTION + ' and then put it into the blue bowl on the left')
 
 
+def test_overlong_error_counts_the_instructions_own_tokens(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,)), model=engine.model)
+    long = INSTRUCTION + ' and then put it into the blue bowl on the left'
+    own = len(engine.tokenizer.encode(long))
+    with pytest.raises(ValueError, match=rf'prompt has \d+ tokens \({own} of them the '
+                                         rf'instruction, the rest the 8 images'):
+        e.text_inputs(long)
+
+
+def test_check_instruction_gives_the_served_length_and_refuses_as_text_inputs(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,)), model=engine.model)
+    assert e.check_instruction(INSTRUCTION) == e.text_inputs(INSTRUCTION).length == base
+    for bad, reason in (('  ', 'non-empty'), (INSTRUCTION + ' and then put it into the blue '
+                                              'bowl on the left', 'too long')):
+        with pytest.raises(ValueError, match=reason):
+            e.check_instruction(bad)
+
+
+def test_buckets_too_small_for_the_images_are_refused_at_construction(engine):
+    """Not at the first query: the largest bucket must hold the images and the chat
+    template; the error names `buckets` and suggests sizes above the shortest prompt."""
+    shortest = engine.text_inputs('go').length
+    with pytest.raises(ValueError, match=r'buckets \[64\]: the largest, 64 tokens, cannot hold '
+                                         rf'even a one-word prompt \({shortest} tokens'):
+        PolicyEngine(EngineConfig(model='tiny', buckets=(64,)), model=engine.model)
+    PolicyEngine(EngineConfig(model='tiny', buckets=(64, shortest)), model=engine.model)
+
+
+def test_a_default_instruction_too_long_is_refused_at_construction_or_truncated(engine):
+    base = engine.text_inputs(INSTRUCTION).length
+    long = INSTRUCTION + ' and then put it into the blue bowl on the left'
+    with pytest.raises(ValueError, match=r'instruction \(the configured default\): '
+                                         r'instruction too long'):
+        PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long),
+                     model=engine.model)
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long,
+                                  overlong='truncate'), model=engine.model)
+    assert e.check_instruction(long) <= base + 8
+
+
 def test_overlong_instruction_is_truncated_when_asked(engine):
     base = engine.text_inputs(INSTRUCTION).length
     e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), overlong='truncate'),

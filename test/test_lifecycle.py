@@ -94,6 +94,25 @@ def test_configure_builds_the_engine_and_stays_inactive(lifecycle, ros):
     assert received == []
 
 
+def test_an_instruction_the_engine_cannot_serve_is_refused_when_set(lifecycle, ros):
+    """Set at run time (the parameter service, as `ros2 param set` does): an instruction too
+    long for the model (overlong 'error') is refused with the reason, a good one accepted."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    node = lifecycle[0]
+    client = ros.node.create_client(SetParameters, '/molmobot_policy/set_parameters')
+    assert client.wait_for_service(SERVICE_TIMEOUT)
+
+    def set_instruction(text):
+        value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=text)
+        request = SetParameters.Request(parameters=[Parameter(name='instruction', value=value)])
+        return _call(client, request).results[0]
+
+    refused = set_instruction(' '.join(['grasp the red cube'] * 2500))
+    assert not refused.successful and 'too long' in refused.reason, (refused, node.log())
+    assert set_instruction('pick up the blue brick').successful, node.log()
+
+
 def test_activate_starts_publishing_chunks(lifecycle, ros):
     node, change, get, received = lifecycle
     assert _transition(change, Transition.TRANSITION_ACTIVATE), node.log()
@@ -128,3 +147,13 @@ def test_more_cameras_than_max_images_is_refused_at_configure(start_policy_node)
     assert node.process.returncode == 1
     error = [line for line in node.log().splitlines() if 'configure failed' in line]
     assert error and '9' in error[0] and 'max_images=8' in error[0], node.log()
+
+
+def test_buckets_too_small_for_the_prompt_are_refused_at_configure(start_policy_node):
+    """Not at the first tick: a largest bucket that cannot hold the images' tokens names
+    `buckets` and suggests sizes."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True, buckets=[64]))
+    node.process.wait(timeout=60.0)
+    assert node.process.returncode == 1
+    error = [line for line in node.log().splitlines() if 'configure failed' in line]
+    assert error and 'buckets [64]' in error[0] and 'use larger buckets' in error[0], node.log()

@@ -271,7 +271,8 @@ class PolicyNode(LifecycleNode):
 
     Args:
         engine_factory: callable(dict of EngineConfig fields) -> engine with `warmup()`,
-            `predict(Observation) -> ActionChunk`, `model_config`, `mode`, `close()`.
+            `predict(Observation) -> ActionChunk`, `check_instruction(str)` (raises
+            ValueError for an instruction it cannot serve), `model_config`, `mode`, `close()`.
             Default: `runtime.engine.PolicyEngine(EngineConfig(**fields))`.
         **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides).
     """
@@ -322,6 +323,14 @@ class PolicyNode(LifecycleNode):
             if p.name == 'camera_qos' and p.value not in CAMERA_QOS:
                 return SetParametersResult(successful=False, reason=(
                     f'camera_qos must be one of {list(CAMERA_QOS)}, got {p.value!r}'))
+            # a new instruction the configured engine cannot serve (too long for its buckets
+            # with overlong 'error', or empty) is refused now, not at every later tick; the
+            # check tokenizes on the host only, so it is safe while inference runs
+            if p.name == 'instruction' and self.engine is not None:
+                try:
+                    self.engine.check_instruction(p.value)
+                except ValueError as error:
+                    return SetParametersResult(successful=False, reason=f'instruction: {error}')
         return SetParametersResult(successful=True)
 
     def _reset_statistics(self) -> None:

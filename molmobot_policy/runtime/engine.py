@@ -353,6 +353,7 @@ class PolicyEngine:
                              f'of this model (0..{mcfg.action_dim - 1}, or -1 for off)')
         self.flow_steps = config.flow_steps or mcfg.flow_steps
         self._build_preprocessing()
+        self._check_prompt_fits()
         self.fp8 = 'none'
         if config.quantize != 'none':
             from molmobot_policy.model.fp8 import quantize_llm_fp8_
@@ -473,19 +474,62 @@ class PolicyEngine:
         cached = self._text_cache.get(instruction)
         if cached is not None:
             return cached
+        ids, bucket = self._fit_prompt(instruction)
+        text = self._padded_text(ids, bucket)
+        self._text_cache[instruction] = text
+        return text
+
+    def check_instruction(self, instruction: str) -> int:
+        """Prompt length in tokens that `instruction` will be served with (after truncation
+        where `overlong='truncate'`). Tokenizes on the host only, no device work: safe to call
+        from another thread while the engine serves (e.g. a ROS parameter callback).
+
+        Raises:
+            ValueError: as `text_inputs` (empty, or too long with `overlong='error'`).
+        """
+        return len(self._fit_prompt(instruction)[0])
+
+    def _prompt_limit(self) -> tuple[int, str]:
+        """(tokens, name) of the longest prompt served: the largest bucket, or without buckets
+        the model's positions (its RoPE table)."""
+        if self.config.buckets:
+            return self.config.buckets[-1], 'the largest bucket'
+        return self.model_config.llm.max_sequence_length, "the model's maximum sequence length"
+
+    def _check_prompt_fits(self) -> None:
+        """At construction: the largest bucket holds the images and the chat template with a
+        one-word instruction, and the configured default instruction fits (or is truncated).
+        Raises ValueError naming `buckets` or `instruction`."""
+        largest, _ = self._prompt_limit()
+        shortest = len(self._prompt_ids('go'))
+        if self.config.buckets and shortest > largest:
+            suggest = sorted({-(-(shortest + extra) // 64) * 64 for extra in (32, 224)})
+            raise ValueError(
+                f'buckets {list(self.config.buckets)}: the largest, {largest} tokens, cannot hold '
+                f'even a one-word prompt ({shortest} tokens with {self.num_cameras} images of '
+                f'{self.model_config.tokens_per_image} patch tokens each); use larger buckets, '
+                f'e.g. {suggest}')
+        if self.config.instruction.strip():
+            try:
+                self.check_instruction(self.config.instruction)
+            except ValueError as error:
+                raise ValueError(f'instruction (the configured default): {error}') from None
+
+    def _fit_prompt(self, instruction: str) -> tuple[np.ndarray, int]:
+        """(prompt ids int64 (L,), bucket or 0 without buckets) for `instruction`, cut to the
+        longest word prefix that fits where `overlong='truncate'`. Host only."""
         ids = self._prompt_ids(instruction)
         length, bucket = len(ids), 0
-        # the largest bucket, or without buckets the model's positions (its RoPE table)
-        if self.config.buckets:
-            largest, limit = self.config.buckets[-1], 'the largest bucket'
-            advice = 'shorten the instruction, add a larger bucket, or'
-        else:
-            largest = self.model_config.llm.max_sequence_length
-            limit, advice = "the model's maximum sequence length", 'shorten the instruction or'
+        largest, limit = self._prompt_limit()
+        advice = ('shorten the instruction, add a larger bucket, or' if self.config.buckets
+                  else 'shorten the instruction or')
         if length > largest:
             if self.config.overlong == 'error':
-                raise ValueError(f'instruction too long: the prompt has {length} tokens, '
-                                 f"{limit} is {largest} ({advice} set overlong='truncate')")
+                own = len(self.tokenizer.encode(instruction))
+                raise ValueError(f'instruction too long: the prompt has {length} tokens '
+                                 f'({own} of them the instruction, the rest the '
+                                 f'{self.num_cameras} images and the chat template), {limit} '
+                                 f"is {largest} ({advice} set overlong='truncate')")
             # keep the longest word prefix that fits (prompt length grows with the words):
             # a bisection, O(log n) tokenizations even for a page of text
             words = instruction.split()
@@ -506,9 +550,7 @@ class PolicyEngine:
                         largest)
         if self.config.buckets:
             bucket = next(b for b in self.config.buckets if b >= length)
-        text = self._padded_text(ids, bucket)
-        self._text_cache[instruction] = text
-        return text
+        return ids, bucket
 
     def _padded_text(self, ids: np.ndarray, bucket: int) -> TextInputs:
         """Prompt ids int64 (L,) right-padded to `bucket` tokens (0: unpadded), on the device;
