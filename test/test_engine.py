@@ -154,13 +154,16 @@ def test_check_instruction_gives_the_served_length_and_refuses_as_text_inputs(en
 
 
 def test_buckets_too_small_for_the_images_are_refused_at_construction(engine):
-    """Not at the first query: the largest bucket must hold the images and the chat
-    template; the error names `buckets` and suggests sizes above the shortest prompt."""
+    """Not at warm-up or the first query: every bucket must hold the images and the chat
+    template; the error names `buckets`, the ones too small, and suggests sizes."""
     shortest = engine.text_inputs('go').length
-    with pytest.raises(ValueError, match=r'buckets \[64\]: the largest, 64 tokens, cannot hold '
-                                         rf'even a one-word prompt \({shortest} tokens'):
-        PolicyEngine(EngineConfig(model='tiny', buckets=(64,)), model=engine.model)
-    PolicyEngine(EngineConfig(model='tiny', buckets=(64, shortest)), model=engine.model)
+    for buckets in ((64,), (64, shortest + 64)):
+        with pytest.raises(ValueError, match=rf'buckets \[{", ".join(map(str, buckets))}\]: '
+                                             rf'\[64\] cannot hold even a one-word prompt '
+                                             rf'\({shortest} tokens'):
+            PolicyEngine(EngineConfig(model='tiny', buckets=buckets), model=engine.model)
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(shortest,)), model=engine.model)
+    assert e.text_inputs('go').bucket == shortest
 
 
 def test_a_default_instruction_too_long_is_refused_at_construction_or_truncated(engine):

@@ -150,10 +150,11 @@ def test_more_cameras_than_max_images_is_refused_at_configure(start_policy_node)
 
 
 def test_buckets_too_small_for_the_prompt_are_refused_at_configure(start_policy_node):
-    """Not at the first tick: a largest bucket that cannot hold the images' tokens names
-    `buckets` and suggests sizes."""
+    """Not at the first tick: a bucket that cannot hold the images' tokens names `buckets`
+    and suggests sizes."""
     node = start_policy_node(dict(PARAMETERS, autostart=True, buckets=[64]))
     node.process.wait(timeout=60.0)
     assert node.process.returncode == 1
     error = [line for line in node.log().splitlines() if 'configure failed' in line]
-    assert error and 'buckets [64]' in error[0] and 'use larger buckets' in error[0], node.log()
+    assert error and 'buckets [64]: [64] cannot hold' in error[0] \
+        and 'use larger buckets' in error[0], node.log()

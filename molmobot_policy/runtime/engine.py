@@ -497,16 +497,17 @@ class PolicyEngine:
         return self.model_config.llm.max_sequence_length, "the model's maximum sequence length"
 
     def _check_prompt_fits(self) -> None:
-        """At construction: the largest bucket holds the images and the chat template with a
-        one-word instruction, and the configured default instruction fits (or is truncated).
+        """At construction: every bucket holds the images and the chat template with a
+        one-word instruction (a smaller one could never serve, and would fail its warm-up),
+        and the configured default instruction fits (or is truncated).
         Raises ValueError naming `buckets` or `instruction`."""
-        largest, _ = self._prompt_limit()
         shortest = len(self._prompt_ids('go'))
-        if self.config.buckets and shortest > largest:
+        small = [b for b in self.config.buckets if b < shortest]
+        if small:
             suggest = sorted({-(-(shortest + extra) // 64) * 64 for extra in (32, 224)})
             raise ValueError(
-                f'buckets {list(self.config.buckets)}: the largest, {largest} tokens, cannot hold '
-                f'even a one-word prompt ({shortest} tokens with {self.num_cameras} images of '
+                f'buckets {list(self.config.buckets)}: {small} cannot hold even a one-word '
+                f'prompt ({shortest} tokens with {self.num_cameras} images of '
                 f'{self.model_config.tokens_per_image} patch tokens each); use larger buckets, '
                 f'e.g. {suggest}')
         if self.config.instruction.strip():
