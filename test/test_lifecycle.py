@@ -1,6 +1,8 @@
 """The policy node's lifecycle, driven through its lifecycle services as lifecycle tooling
 would (`/molmobot_policy/change_state`, `/molmobot_policy/get_state`), with autostart off;
-and the configure-time refusal of a camera list longer than the model's max_images."""
+instructions refused at run time; configure-time refusals (more cameras than max_images,
+buckets too small); the engine's log lines through the ROS logger and a clean Ctrl-C."""
+import re
 import time
 
 import numpy as np
@@ -158,3 +160,18 @@ def test_buckets_too_small_for_the_prompt_are_refused_at_configure(start_policy_
     error = [line for line in node.log().splitlines() if 'configure failed' in line]
     assert error and 'buckets [64]: [64] cannot hold' in error[0] \
         and 'use larger buckets' in error[0], node.log()
+
+
+def test_engine_log_lines_reach_the_ros_logger_and_ctrl_c_exits_cleanly(start_policy_node):
+    """The engine's Python `logging` warnings (here: the instruction cut to fit its bucket)
+    come out as ROS log lines of the node, not bare lines; Ctrl-C logs the shutdown without
+    rclpy's 'Failed to publish log message to rosout'."""
+    long = ' '.join(['pick up the red cube and put it into the blue bowl'] * 20)
+    node = start_policy_node(dict(PARAMETERS, autostart=True, buckets=[448],
+                                  overlong='truncate', instruction=long))
+    assert node.wait_for_log('active:', 60.0), node.log()
+    assert re.search(r'\[WARN\] \[[\d.]+\] \[molmobot_policy\]: instruction truncated to \d+ '
+                     r'words to fit 448 tokens', node.log()), node.log()
+    assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
+    assert 'shutting down after' in node.log()
+    assert 'Failed to publish log message to rosout' not in node.log(), node.log()[-2000:]

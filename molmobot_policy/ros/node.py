@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import math
 import os
 import sys
@@ -814,6 +815,34 @@ def _range_text(descriptor: ParameterDescriptor) -> str:
     return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'
 
 
+class RosLogHandler(logging.Handler):
+    """Python `logging` records (the package's own: the engine's and fp8's, which hold no ROS
+    logger) passed to a ROS logger, so that they reach the console and /rosout formatted and
+    filtered like the node's lines; without it a warning printed as a bare line and an info
+    line (e.g. which fp8 mode the start-up probe chose) not at all."""
+
+    def __init__(self, ros_logger) -> None:
+        super().__init__(logging.INFO)
+        self._ros_logger = ros_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            level = record.levelno
+            if level >= logging.CRITICAL:
+                self._ros_logger.fatal(message)
+            elif level >= logging.ERROR:
+                self._ros_logger.error(message)
+            elif level >= logging.WARNING:
+                self._ros_logger.warning(message)
+            elif level >= logging.INFO:
+                self._ros_logger.info(message)
+            else:
+                self._ros_logger.debug(message)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -829,12 +858,18 @@ def main(args=None) -> int:
         return 1
     node = None
     status = 0
+    package_log = logging.getLogger('molmobot_policy')
+    forward = None
     try:
         try:
             node = PolicyNode()
         except ValueError as error:
             print(f'[FATAL] [{NODE_NAME}]: {error}', file=sys.stderr, flush=True)
             return 1
+        forward = RosLogHandler(node.get_logger())
+        package_log.addHandler(forward)
+        package_log.setLevel(logging.INFO)
+        package_log.propagate = False       # printed once, by the ROS logger
         file_errors = unmatched_parameter_files(list(args if args is not None else sys.argv),
                                                 node.get_name())
         if file_errors:
@@ -861,10 +896,17 @@ def main(args=None) -> int:
             raise
     finally:
         if node is not None:
-            node.get_logger().info(f'shutting down after {node.chunks_published} chunks')
+            message = f'shutting down after {node.chunks_published} chunks'
+            if rclpy.ok():
+                node.get_logger().info(message)
+            else:       # after Ctrl-C the context is gone: /rosout cannot take it
+                print(f'[INFO] [{node.get_name()}]: {message}', file=sys.stderr, flush=True)
             node._stop_worker()
             node._close_engine()
             node.destroy_node()
+        if forward is not None:
+            package_log.removeHandler(forward)
+            package_log.propagate = True
         rclpy.try_shutdown()
     return status
 
