@@ -85,6 +85,8 @@ def test_without_autostart_the_node_waits_unconfigured(lifecycle):
     node, change, get, received = lifecycle
     assert _state(get) == State.PRIMARY_STATE_UNCONFIGURED
     assert received == []
+    assert 'autostart is off: waiting unconfigured for lifecycle transitions on ' \
+        '/molmobot_policy/change_state' in node.log(), node.log()
 
 
 def test_configure_builds_the_engine_and_stays_inactive(lifecycle, ros):

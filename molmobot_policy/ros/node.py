@@ -888,6 +888,11 @@ def main(args=None) -> int:
             node.get_logger().fatal('autostart failed (see the error above); exiting')
             status = 1
         else:
+            if not node.get_parameter('autostart').value:
+                node.get_logger().info(
+                    f'autostart is off: waiting unconfigured for lifecycle transitions on '
+                    f'{node.get_fully_qualified_name()}/change_state (e.g. `ros2 lifecycle set '
+                    f'{node.get_fully_qualified_name()} configure`, then activate)')
             executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass

@@ -750,6 +750,7 @@ class PolicyEngine:
         self._runners.clear()
         self._text_cache.clear()
         self._conditioning = []
+        self._cross_out_bias = None
         self._fused_blocks = None
         self._query_fn = None
         self.model = None
