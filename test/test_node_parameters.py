@@ -8,7 +8,8 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.model.checkpoint import load_config  # noqa: E402
-from molmobot_policy.ros.node import PolicyNode, unmatched_parameter_files  # noqa: E402
+from molmobot_policy.ros.node import (PolicyNode, format_action,  # noqa: E402
+                                     unmatched_parameter_files)
 
 
 class _Refuse:
@@ -154,3 +155,12 @@ def test_malformed_params_file_is_one_fatal_line_not_a_traceback(tmp_path):
     assert done.returncode == 1
     assert '[FATAL] [molmobot_policy]: ROS 2 could not start' in done.stderr
     assert 'Traceback' not in done.stderr
+
+
+def test_chunk_log_action_is_fixed_point_on_one_line():
+    """14 joints mixing tiny and large values: no scientific notation, no line break."""
+    import numpy as np
+    values = np.array([1e-5, -0.25, 3.14159, 120.0] + [0.001] * 10, dtype=np.float32)
+    text = format_action(values)
+    assert '\n' not in text and 'e-' not in text and 'e+' not in text
+    assert text.startswith('[0.000, -0.250, 3.142, 120.000, 0.001,') and text.count(',') == 13

@@ -670,7 +670,7 @@ class PolicyNode(LifecycleNode):
         self.jitter_ms.add(jitter_ms)
         self.age_ms.add(age_ms)
         self.chunks_published += 1
-        first = np.array2string(actions[0], precision=3, separator=', ')
+        first = format_action(actions[0])
         self._chunk_info_pub.publish(DiagnosticStatus(
             level=OK, name=f'{self.get_name()}: chunk', hardware_id=self.get_name(),
             message=f'chunk {self.chunks_published}', values=_key_values({
@@ -813,6 +813,13 @@ def _range_text(descriptor: ParameterDescriptor) -> str:
     if not ranges:
         return descriptor.additional_constraints or 'see the parameter description'
     return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'
+
+
+def format_action(values) -> str:
+    """One action vector as '[0.120, -0.003, ...]': fixed-point with 3 decimals on one line,
+    whatever the values (numpy's array2string wraps at 75 characters and switches to
+    scientific notation when small and large values mix, which split chunk log lines)."""
+    return '[' + ', '.join(f'{float(v):.3f}' for v in values) + ']'
 
 
 class RosLogHandler(logging.Handler):
