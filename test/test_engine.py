@@ -169,13 +169,24 @@ def test_buckets_too_small_for_the_images_are_refused_at_construction(engine):
 def test_a_default_instruction_too_long_is_refused_at_construction_or_truncated(engine):
     base = engine.text_inputs(INSTRUCTION).length
     long = INSTRUCTION + ' and then put it into the blue bowl on the left'
-    with pytest.raises(ValueError, match=r'instruction \(the configured default\): '
-                                         r'instruction too long'):
+    with pytest.raises(ValueError, match=r'configured instruction: instruction too long'):
         PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long),
                      model=engine.model)
     e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long,
                                   overlong='truncate'), model=engine.model)
     assert e.check_instruction(long) <= base + 8
+
+
+def test_truncation_is_logged_once_per_instruction(engine, caplog):
+    base = engine.text_inputs(INSTRUCTION).length
+    e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), overlong='truncate'),
+                     model=engine.model)
+    long = INSTRUCTION + ' and then put it into the blue bowl on the left'
+    with caplog.at_level('WARNING', logger='molmobot_policy.engine'):
+        e.check_instruction(long)          # e.g. when set as a node parameter
+        e.text_inputs(long)                # then served
+        e.check_instruction(long)
+    assert sum('instruction truncated' in r.getMessage() for r in caplog.records) == 1
 
 
 def test_overlong_instruction_is_truncated_when_asked(engine):

@@ -304,6 +304,7 @@ class PolicyNode(LifecycleNode):
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
+        self.chunks_published_total = 0    # over every activation (chunks_published: this one)
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
         self._input_subscriptions = []
@@ -329,9 +330,11 @@ class PolicyNode(LifecycleNode):
             # check tokenizes on the host only, so it is safe while inference runs
             if p.name == 'instruction' and self.engine is not None:
                 try:
-                    self.engine.check_instruction(p.value)
+                    tokens = self.engine.check_instruction(p.value)
                 except ValueError as error:
+                    self.get_logger().warning(f"refused new 'instruction': {error}")
                     return SetParametersResult(successful=False, reason=f'instruction: {error}')
+                self.get_logger().info(f'instruction set to {p.value!r} ({tokens} prompt tokens)')
         return SetParametersResult(successful=True)
 
     def _reset_statistics(self) -> None:
@@ -477,11 +480,12 @@ class PolicyNode(LifecycleNode):
         if self._diagnostics_timer is not None:
             self.destroy_timer(self._diagnostics_timer)
             self._diagnostics_timer = None
-        self.get_logger().info(f'deactivated after {self.chunks_published} chunks')
+        self.get_logger().info(f'deactivated after {_count(self.chunks_published, "chunk")}')
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._close_engine()
+        self.get_logger().info('cleaned up: engine released, unconfigured')
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -670,6 +674,7 @@ class PolicyNode(LifecycleNode):
         self.jitter_ms.add(jitter_ms)
         self.age_ms.add(age_ms)
         self.chunks_published += 1
+        self.chunks_published_total += 1
         first = format_action(actions[0])
         self._chunk_info_pub.publish(DiagnosticStatus(
             level=OK, name=f'{self.get_name()}: chunk', hardware_id=self.get_name(),
@@ -815,6 +820,10 @@ def _range_text(descriptor: ParameterDescriptor) -> str:
     return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'
 
 
+def _count(n: int, noun: str) -> str:
+    return f'{n} {noun}' + ('' if n == 1 else 's')
+
+
 def format_action(values) -> str:
     """One action vector as '[0.120, -0.003, ...]': fixed-point with 3 decimals on one line,
     whatever the values (numpy's array2string wraps at 75 characters and switches to
@@ -908,11 +917,12 @@ def main(args=None) -> int:
             raise
     finally:
         if node is not None:
-            message = f'shutting down after {node.chunks_published} chunks'
+            message = f'shutting down after {_count(node.chunks_published_total, "chunk")}'
             if rclpy.ok():
                 node.get_logger().info(message)
             else:       # after Ctrl-C the context is gone: /rosout cannot take it
-                print(f'[INFO] [{node.get_name()}]: {message}', file=sys.stderr, flush=True)
+                print(f'[INFO] [{time.time():.9f}] [{node.get_name()}]: {message}',
+                      file=sys.stderr, flush=True)
             node._stop_worker()
             node._close_engine()
             node.destroy_node()

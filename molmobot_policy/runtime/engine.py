@@ -353,6 +353,7 @@ class PolicyEngine:
                              f'of this model (0..{mcfg.action_dim - 1}, or -1 for off)')
         self.flow_steps = config.flow_steps or mcfg.flow_steps
         self._build_preprocessing()
+        self._fit_cache: dict[str, tuple[np.ndarray, int]] = {}
         self._check_prompt_fits()
         self.fp8 = 'none'
         if config.quantize != 'none':
@@ -514,11 +515,18 @@ class PolicyEngine:
             try:
                 self.check_instruction(self.config.instruction)
             except ValueError as error:
-                raise ValueError(f'instruction (the configured default): {error}') from None
+                raise ValueError(f'configured instruction: {error}') from None
 
     def _fit_prompt(self, instruction: str) -> tuple[np.ndarray, int]:
         """(prompt ids int64 (L,), bucket or 0 without buckets) for `instruction`, cut to the
-        longest word prefix that fits where `overlong='truncate'`. Host only."""
+        longest word prefix that fits where `overlong='truncate'` (logged once per
+        instruction: the result is cached). Host only."""
+        fitted = self._fit_cache.get(instruction)
+        if fitted is None:
+            fitted = self._fit_cache[instruction] = self._fit_prompt_uncached(instruction)
+        return fitted
+
+    def _fit_prompt_uncached(self, instruction: str) -> tuple[np.ndarray, int]:
         ids = self._prompt_ids(instruction)
         length, bucket = len(ids), 0
         largest, limit = self._prompt_limit()
@@ -749,6 +757,7 @@ class PolicyEngine:
         """Releases the model, graphs and cached tensors (and the GPU memory they held)."""
         self._runners.clear()
         self._text_cache.clear()
+        self._fit_cache.clear()
         self._conditioning = []
         self._cross_out_bias = None
         self._fused_blocks = None
