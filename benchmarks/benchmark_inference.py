@@ -46,7 +46,8 @@ from molmobot_policy.model.checkpoint import random_model  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.model.molmobot import MolmoBot  # noqa: E402
 import molmobot_policy.runtime.engine as engine_module  # noqa: E402
-from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
+from molmobot_policy.runtime.engine import (EngineConfig, PolicyEngine,  # noqa: E402
+                                            suggested_buckets)
 from molmobot_policy.types import Observation  # noqa: E402
 
 INSTRUCTION = 'pick up the red cube and put it in the bowl'
@@ -236,7 +237,7 @@ def main() -> None:
                                           instruction=INSTRUCTION), model=model)
         length = probe.text_inputs(INSTRUCTION).length
         base = probe.text_inputs('x').length
-        buckets = tuple(sorted({-(-(base + extra) // 64) * 64 for extra in (32, 224)}))
+        buckets = suggested_buckets(base)
         del probe
         print(f'prompt: {length} tokens for the benchmark instruction; auto buckets {buckets}')
     else:

@@ -218,6 +218,13 @@ def compile_repeated_blocks_(model, row_limit: int | None = None) -> int:
     return count
 
 
+def suggested_buckets(shortest_prompt: int) -> tuple[int, ...]:
+    """Two padding buckets for prompts of at least `shortest_prompt` tokens: room for ~32 and
+    ~224 instruction tokens, rounded up to multiples of 64 (e.g. 1617 -> (1664, 1856), the
+    8-camera default)."""
+    return tuple(sorted({-(-(shortest_prompt + extra) // 64) * 64 for extra in (32, 224)}))
+
+
 # Rows of up to this many elements reduced in one pass under compile on a GPU
 # (`wide_row_reductions`); 0 leaves Inductor's heuristic (1024) alone.
 PERSISTENT_ROW_LIMIT = 4096
@@ -505,7 +512,7 @@ class PolicyEngine:
         shortest = len(self._prompt_ids('go'))
         small = [b for b in self.config.buckets if b < shortest]
         if small:
-            suggest = sorted({-(-(shortest + extra) // 64) * 64 for extra in (32, 224)})
+            suggest = list(suggested_buckets(shortest))
             raise ValueError(
                 f'buckets {list(self.config.buckets)}: {small} cannot hold even a one-word '
                 f'prompt ({shortest} tokens with {self.num_cameras} images of '
