@@ -16,13 +16,20 @@ prints a table and writes JSON (`--out`). Measures:
   absolute, `t0 + k * chunk_period`); p50 / p99 / max over every chunk in the window.
 - sensor-to-publish age: publish time - observation stamp (the oldest input header stamp),
   ms; inference: `engine.predict` wall time as the node measured it, ms.
+- where a late publish's time went (per chunk; absent from older nodes' chunk_info): the worker's
+  timed wait before the deadline returning late (wake_late_ms), the worker thread runnable
+  without a CPU from before that wait to after the publish (runqueue_wait_ms, Linux
+  schedstat: the operating system's share; the rest of a delay is the GIL or a lock), the
+  publish call (publish_call_ms); summarized over all chunks and over the late ones
+  (jitter > LATE_MS).
 - deadline misses, skipped ticks, failed ticks, dropped actions: differences of the node's
   /diagnostics counters across the window; tick gaps: ticks without a chunk (chunk_info).
 - frames decoded vs received: the synchronizer decodes a camera frame only when an
   observation uses it, so decoded per chunk should equal the camera count, far below the
   frames received.
 - CPU: percent of one core per process over the window (100 = one core busy), and the
-  whole machine's busy percent (/proc/stat).
+  whole machine's busy percent and steal percent (/proc/stat: time the hypervisor ran
+  something else while a virtual CPU had work).
 - achieved publisher rates (each publisher prints its cumulative counts once a second).
 Targets (issue 5): jitter p99 <= 2 ms, max <= 5 ms; zero deadline misses when the chunk
 period exceeds p99 inference by 20 %. Exits 1 if no chunk arrived, else 0 (targets are
@@ -73,6 +80,8 @@ PRESET_JOINTS = {
 BUCKET_MULTIPLE = 64        # --buckets auto: the prompt length rounded up to this
 STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
 CLK_TCK = os.sysconf('SC_CLK_TCK')
+LATE_MS = 1.0               # chunks published later than this after their deadline count as late
+DELAY_KEYS = ('wake_late_ms', 'runqueue_wait_ms', 'publish_call_ms')   # parts of the delay
 DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
 
 
@@ -288,11 +297,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine from /proc/stat."""
+def machine_cpu() -> tuple[float, float, float]:
+    """(busy, total, steal) jiffies of the whole machine from /proc/stat (proc(5): user nice
+    system idle iowait irq softirq steal ...)."""
     values = [int(v) for v in Path('/proc/stat').read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]             # idle + iowait
-    return sum(values) - idle, sum(values)
+    steal = values[7] if len(values) > 7 else 0
+    return sum(values) - idle, sum(values), steal
 
 
 # ---------------------------------------------------------------------------- parameters
@@ -348,6 +359,20 @@ def summary(values) -> dict:
             'max': float(a.max()), 'min': float(a.min()), 'n': int(a.size)}
 
 
+def _floats(chunks: list[dict], key: str) -> list[float]:
+    """A chunk_info value as floats, leaving out chunks without it (older nodes, '')."""
+    return [float(c[key]) for c in chunks if c.get(key, '') != '']
+
+
+def publish_delay(chunks: list[dict]) -> dict:
+    """The parts of publish jitter the node reports per chunk, over all chunks and over
+    the late ones (jitter > LATE_MS): {'all' | 'late': {key: summary}, 'late_chunks': n}."""
+    late = [c for c in chunks if float(c['publish_jitter_ms']) > LATE_MS]
+    return {'late_chunks': len(late), 'late_ms': LATE_MS,
+            **{group: {key: summary(_floats(members, key)) for key in DELAY_KEYS}
+               for group, members in (('all', chunks), ('late', late))}}
+
+
 def counter_differences(first: dict, last: dict) -> dict:
     """Differences of the node's cumulative /diagnostics counters between two snapshots."""
     schedule_first, schedule_last = first[SCHEDULE_STATUS], last[SCHEDULE_STATUS]
@@ -378,6 +403,7 @@ def measure(args, recorder: Recorder, processes: dict[str, Process], start: floa
     result['expected_chunks'] = int(round(result['window_s'] / args.chunk_period))
     decoded = [int(c['frames_decoded']) for c in chunks if 'frames_decoded' in c]
     result['frames_decoded_per_chunk'] = summary(decoded)
+    result['publish_delay'] = publish_delay(chunks)
     first, last = recorder.diagnostics_after(start), recorder.diagnostics_after(end)
     if first is not None and last is not None and last[0] > first[0]:
         result['counters'] = counter_differences(first[1], last[1])
@@ -400,6 +426,8 @@ def cpu_percent(before: dict, after: dict, seconds: float) -> dict:
     return {name: 100.0 * (after[name] - before[name]) / seconds for name in before
             if name != 'machine'} | {
         'machine_busy': 100.0 * (after['machine'][0] - before['machine'][0])
+        / max(1, after['machine'][1] - before['machine'][1]),
+        'machine_steal': 100.0 * (after['machine'][2] - before['machine'][2])
         / max(1, after['machine'][1] - before['machine'][1])}
 
 
@@ -450,6 +478,16 @@ def print_table(run: dict) -> None:
         print(f"garbage collector since activate: collections (gen 0/1/2) "
               f"{g['collections_by_generation']}, longest pause "
               f"{g['pause_max_since_activate_ms']:.2f} ms")
+    delay = r.get('publish_delay')
+    if delay and delay['all']['publish_call_ms']['n']:
+        print(f"publish delay parts, ms: p50 / p99 / max over all chunks; p50 / max over the "
+              f"{delay['late_chunks']} published more than {delay['late_ms']:g} ms late:")
+        for label, key in (('timed wait returned late', 'wake_late_ms'),
+                           ('runnable without a CPU', 'runqueue_wait_ms'),
+                           ('publish call', 'publish_call_ms')):
+            a, late = delay['all'][key], delay['late'][key]
+            print(f"  {label:<26}{a['p50']:>8.3f}{a['p99']:>8.3f}{a['max']:>8.3f}   late: "
+                  f"{late['p50']:.3f} / {late['max']:.3f}")
     print('CPU % (100 = one core): ' + ', '.join(f'{k} {v:.1f}'
                                                   for k, v in r['cpu_percent'].items()))
     jitter = r['publish_jitter_ms']
@@ -611,7 +649,7 @@ def run_benchmark(args, recorder, processes, workdir, out, stamp) -> int:
     chunks = recorder.chunks_between(start, end)
     results['per_chunk'] = {key: [c.get(key) for c in chunks] for key in (
         'tick', 'publish_jitter_ms', 'observation_age_ms', 'inference_ms', 'dropped',
-        'frames_decoded')}
+        'frames_decoded') + DELAY_KEYS}
     run = {'date': stamp, 'command': ' '.join([Path(sys.argv[0]).name] + sys.argv[1:]),
            'host': platform.node(), 'machine': platform.platform(),
            'python': platform.python_version(), 'cpus': os.cpu_count(),

@@ -5,6 +5,8 @@ The node runs the tiny random-weight model on the CPU. The test process publishe
 images (64x80, mixed encodings) at 10 Hz and the joint state at 20 Hz, stamped with the
 current time.
 """
+import math
+import sys
 import threading
 import time
 
@@ -159,6 +161,20 @@ def test_chunks_are_well_formed_joint_trajectories(policy, robot, ros):
         for point in msg.points:
             assert len(point.positions) == len(JOINTS)
             assert np.all(np.isfinite(point.positions))
+
+
+def test_chunk_info_splits_the_publish_delay_by_cause(policy, robot, ros):
+    start = _now(robot)
+    assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 2, 15.0), policy.log()
+    with robot.lock:
+        infos = list(robot.chunk_infos)
+    for info in infos:
+        assert float(info['publish_call_ms']) >= 0.0
+        # a timed wait before the deadline (chunk_period 1.0 s leaves time for one): it
+        # returned on time give or take the scheduler's slack
+        assert math.isfinite(float(info['wake_late_ms']))
+        if sys.platform.startswith('linux'):
+            assert float(info['runqueue_wait_ms']) >= 0.0
 
 
 def test_chunks_are_published_once_per_chunk_period(policy, robot, ros):

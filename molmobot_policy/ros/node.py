@@ -55,7 +55,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from molmobot_policy.ros.codec import image_to_rgb
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
 from molmobot_policy.timing import (ChunkStitcher, DeadlineScheduler, GcPauses, LatencyEstimator,
-                                    ObservationGate, RollingStats)
+                                    ObservationGate, RollingStats, runqueue_wait_s)
 
 NODE_NAME = 'molmobot_policy'
 DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
@@ -348,6 +348,7 @@ class PolicyNode(LifecycleNode):
         self.failed_ticks = 0
         self.frames_decoded = 0     # images decoded by the synchronizer (worker thread only)
         self.last_skip = ''
+        self.wake_late: float | None = None   # s, set by _sleep_until (worker thread only)
         if getattr(self, '_gc_pauses', None) is not None:
             self._gc_pauses.remove()
         self._gc_pauses = GcPauses(STATS_WINDOW)
@@ -549,15 +550,22 @@ class PolicyNode(LifecycleNode):
         Sim time: waits of at most POLL_S, re-reading the ROS clock (it follows /clock).
         System time: waits until BUSY_WAIT_S before t, then polls the clock, releasing the
         GIL between polls (time.sleep(0)), so the wake-up is not late by a timer's slack.
+        `self.wake_late` is set to how late (s) the last timed wait returned on the system
+        clock (None: no timed wait, or sim time).
         """
         sim_time = self.get_clock().ros_time_is_active
         tail = 0.0 if sim_time else BUSY_WAIT_S
+        self.wake_late = None
         while not self._stop.is_set():
             remaining = t - self._now()
             if remaining <= 0.0:
                 return True
             if remaining > tail:
-                self._stop.wait(min(remaining - tail, POLL_S))
+                timeout = min(remaining - tail, POLL_S)
+                if self._stop.wait(timeout):
+                    break
+                if not sim_time:
+                    self.wake_late = self._now() - (t - remaining + timeout)
             else:
                 time.sleep(0)
         return False
@@ -660,10 +668,13 @@ class PolicyNode(LifecycleNode):
                                     stride=actions.shape[1])]
             array.data = actions.astype(np.float32).ravel().tolist()
 
+        runqueue_before = runqueue_wait_s()
         if not self._sleep_until(tick.deadline):
             return
+        publish_called = self._now()
         self._trajectory_pub.publish(msg)
         published = self._now()
+        runqueue_after = runqueue_wait_s()
         if array is not None:
             self._array_pub.publish(array)
         if published > tick.deadline + 0.5 * control_period:
@@ -685,7 +696,15 @@ class PolicyNode(LifecycleNode):
                 'inference_ms': f'{chunk.inference_ms:.1f}',
                 'publish_jitter_ms': f'{jitter_ms:.3f}', 'points': len(actions),
                 'dropped': dropped, 'frames_decoded': frames_decoded,
-                'first_action': first})))
+                'first_action': first,
+                # where publish jitter comes from (benchmarks/benchmark_node_jitter.py):
+                # the wait before the deadline returning late, the worker runnable without
+                # a CPU from that wait to the publish (the rest of a delay is the GIL), and
+                # the publish call itself; '' where not measured
+                'wake_late_ms': _ms(self.wake_late),
+                'runqueue_wait_ms': _ms(None if runqueue_before is None or runqueue_after is None
+                                        else runqueue_after - runqueue_before),
+                'publish_call_ms': _ms(published - publish_called)})))
         self.get_logger().info(
             f'chunk {self.chunks_published}: observation age {age_ms:.0f} ms, inference '
             f'{chunk.inference_ms:.0f} ms, {len(actions)} points ({dropped} dropped), '
@@ -818,6 +837,11 @@ def _range_text(descriptor: ParameterDescriptor) -> str:
     if not ranges:
         return descriptor.additional_constraints or 'see the parameter description'
     return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'
+
+
+def _ms(seconds: float | None) -> str:
+    """A duration in s as milliseconds with 3 decimals; '' for None (not measured)."""
+    return '' if seconds is None else f'{seconds * 1e3:.3f}'
 
 
 def _count(n: int, noun: str) -> str:

@@ -9,7 +9,9 @@ is refused (`ObservationGate`). The chunk published at the deadline is stamped w
 each action executes; actions already in the past are dropped from the front and the new
 chunk is joined to the previous one without pause, jump back or step (`ChunkStitcher`).
 Jitter, latency and ages are summarized over a rolling window (`RollingStats`); garbage
-collector pauses, which stop every thread, are timed by `GcPauses`.
+collector pauses, which stop every thread, are timed by `GcPauses`; `runqueue_wait_s` reads
+how long the calling thread waited for a CPU (Linux), to tell the operating system's delays
+from the GIL's.
 
 Pure python + numpy, no rclpy: every time is a float in seconds passed in by the caller
 (ROS time, so simulated time works), which keeps all of it testable with a fake clock.
@@ -17,7 +19,7 @@ Pure python + numpy, no rclpy: every time is a float in seconds passed in by the
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
 from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
-from molmobot_policy.timing.stats import GcPauses, RollingStats
+from molmobot_policy.timing.stats import GcPauses, RollingStats, runqueue_wait_s
 
 __all__ = ['ChunkStitcher', 'DeadlineScheduler', 'GcPauses', 'LatencyEstimator', 'MissedTicks',
-           'ObservationGate', 'RollingStats', 'StitchedChunk', 'Tick']
+           'ObservationGate', 'RollingStats', 'StitchedChunk', 'Tick', 'runqueue_wait_s']
