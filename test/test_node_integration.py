@@ -170,11 +170,12 @@ def test_chunk_info_splits_the_publish_delay_by_cause(policy, robot, ros):
         infos = list(robot.chunk_infos)
     for info in infos:
         assert float(info['publish_call_ms']) >= 0.0
-        # a timed wait before the deadline (chunk_period 1.0 s leaves time for one): it
-        # returned on time give or take the scheduler's slack
-        assert math.isfinite(float(info['wake_late_ms']))
+        # '' where inference ran into the polling tail before the deadline (no timed wait)
+        assert info['wake_late_ms'] == '' or math.isfinite(float(info['wake_late_ms']))
         if sys.platform.startswith('linux'):
             assert float(info['runqueue_wait_ms']) >= 0.0
+    # chunk_period 1.0 s leaves most chunks a timed wait before their deadline
+    assert any(info['wake_late_ms'] != '' for info in infos)
 
 
 def test_chunks_are_published_once_per_chunk_period(policy, robot, ros):

@@ -3,14 +3,13 @@ of GcPauses, the garbage-collector pause timer reported beside them, and of
 runqueue_wait_s, the thread's wait for a CPU that splits publish jitter by cause."""
 import gc
 import math
-
-import numpy as np
-import pytest
-
 import os
 import subprocess
 import sys
 import time
+
+import numpy as np
+import pytest
 
 from molmobot_policy.timing import GcPauses, RollingStats, runqueue_wait_s
 
