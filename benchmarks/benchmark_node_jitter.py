@@ -1,4 +1,4 @@
-"""End-to-end timing benchmark of the policy node over real DDS (issue 5, item 5).
+"""End-to-end timing of the policy node under camera load, over real DDS (jitter, latency, age).
 
 Starts, as separate processes: camera publishers (N cameras of H x W rgb8 at a fixed rate,
 a few cameras per process so that Python publishing keeps up), a `sensor_msgs/JointState`

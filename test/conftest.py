@@ -34,7 +34,8 @@ class NodeProcess:
     """The policy node as a separate process (`python -m molmobot_policy.ros.node
     --ros-args --params-file <yaml>`), its stdout+stderr captured to a log file."""
 
-    def __init__(self, parameters: dict, directory: Path, name: str) -> None:
+    def __init__(self, parameters: dict, directory: Path, name: str,
+                 sigint_ignored: bool = False) -> None:
         self.params_file = directory / f'{name}.yaml'
         self.params_file.write_text(yaml.dump(      # rcl's parser rejects YAML aliases
             {'molmobot_policy': {'ros__parameters': parameters}}, Dumper=_NoAliasDumper))
@@ -44,7 +45,11 @@ class NodeProcess:
             self.process = subprocess.Popen(
                 [sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
                  '--params-file', str(self.params_file)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                # as a shell script's background job starts it: Python then raises no
+                # KeyboardInterrupt on SIGINT, only rclpy's handler acts
+                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                if sigint_ignored else None)
 
     def log(self) -> str:
         return self.log_file.read_text(errors='replace')
@@ -87,13 +92,14 @@ def ros_context():
 
 @pytest.fixture(scope='module')
 def start_policy_node(tmp_path_factory):
-    """Factory: start_policy_node(parameters) -> NodeProcess; every process is stopped
+    """Factory: start_policy_node(parameters, sigint_ignored=False) -> NodeProcess; every
+    process is stopped
     (SIGINT, then SIGKILL) when the module's tests are done."""
     processes = []
     directory = tmp_path_factory.mktemp('policy_node')
 
-    def start(parameters: dict) -> NodeProcess:
-        processes.append(NodeProcess(parameters, directory, f'node{len(processes)}'))
+    def start(parameters: dict, **kwargs) -> NodeProcess:
+        processes.append(NodeProcess(parameters, directory, f'node{len(processes)}', **kwargs))
         return processes[-1]
 
     yield start

@@ -179,3 +179,25 @@ def test_engine_log_lines_reach_the_ros_logger_and_ctrl_c_exits_cleanly(start_po
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
     assert 'shutting down after' in node.log()
     assert 'Failed to publish log message to rosout' not in node.log(), node.log()[-2000:]
+
+
+@pytest.mark.parametrize('sigint_ignored', [False, True],
+                         ids=['sigint-default', 'sigint-ignored-at-start'])
+def test_ctrl_c_during_configure_stops_it_there(start_policy_node, sigint_ignored):
+    """SIGINT while autostart's configure warms the engine up (here 40 padding buckets, one
+    forward pass each: seconds on a CPU; on a GPU each compiles and captures) ends the process
+    there with exit status 0 and one line saying so: also when the process started with
+    SIGINT ignored (a shell script's background job), where Python raises no
+    KeyboardInterrupt and configure used to run to its end and then fail its transition on
+    the context rclpy's handler had shut down (exit 1, FATAL, /rosout errors)."""
+    buckets = [448 + 64 * k for k in range(40)]
+    node = start_policy_node(dict(PARAMETERS, autostart=True, buckets=buckets),
+                             sigint_ignored=sigint_ignored)
+    assert node.wait_for_log('warm-up: preparing bucket 512', 60.0), node.log()
+    assert node.stop(timeout=30.0) == 0, node.log()[-2000:]
+    log = node.log()
+    assert 'interrupted while starting' in log, log[-2000:]
+    assert f'preparing bucket {buckets[-1]}' not in log, log[-2000:]    # stopped right there
+    assert 'configured in' not in log and 'active:' not in log, log[-2000:]
+    assert 'Failed to complete transition' not in log, log[-2000:]
+    assert 'Failed to publish log message to rosout' not in log, log[-2000:]

@@ -164,3 +164,46 @@ def test_chunk_log_action_is_fixed_point_on_one_line():
     text = format_action(values)
     assert '\n' not in text and 'e-' not in text and 'e+' not in text
     assert text.startswith('[0.000, -0.250, 3.142, 120.000, 0.001,') and text.count(',') == 13
+
+
+@pytest.mark.parametrize('value, expected', [('none', ()), ('None', ()), ([448, 512], (448, 512))])
+def test_buckets_none_means_no_padding(ros_context, value, expected):
+    """README: `buckets: none` (a YAML file cannot write an empty list rcl can type)."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=f'param_buckets_{len(expected)}_'
+                      f'{value if isinstance(value, str) else "list"}', context=ros_context,
+                      parameter_overrides=[Parameter('autostart', value=False),
+                                           Parameter('buckets', value=value)])
+    try:
+        node.get_logger().error = lambda msg, **kw: None
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE   # 'captured'
+        assert capture.config['buckets'] == expected
+    finally:
+        node.destroy_node()
+
+
+def test_a_bucket_word_other_than_none_is_one_clear_error(ros_context):
+    node = _node(ros_context, [Parameter('autostart', value=False),
+                               Parameter('buckets', value='auto')], 'param_buckets_auto')
+    try:
+        errors = []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert any("parameter 'buckets': expected a list of prompt lengths" in e
+                   and "got 'auto'" in e for e in errors), errors
+    finally:
+        node.destroy_node()
+
+
+def test_a_quoted_number_for_a_float_parameter_says_to_drop_the_quotes(ros_context):
+    with pytest.raises(ValueError, match=r"parameter 'chunk_period': '1.5' is not a valid "
+                                         r'float.*a quoted number is a string: write 1.5'):
+        _node(ros_context, [Parameter('autostart', value=False),
+                            Parameter('chunk_period', value='1.5')], 'param_quoted_float')
+
+
+def test_the_decimal_point_example_is_the_default_not_an_out_of_range_value(ros_context):
+    with pytest.raises(ValueError, match=r"parameter 'chunk_period': 0 is not a valid float.*"
+                                         r'decimal point, e\.g\. 1\.0 \(the default\)'):
+        _node(ros_context, [Parameter('autostart', value=False),
+                            Parameter('chunk_period', value=0)], 'param_int_period')

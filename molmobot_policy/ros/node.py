@@ -228,6 +228,19 @@ ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
+def bucket_lengths(value) -> tuple[int, ...]:
+    """The `buckets` parameter as prompt lengths (tokens): a list of integers, or no
+    padding from an empty list or the string 'none' (any case; a YAML file cannot write an
+    empty list rcl can type). Raises ValueError naming the parameter otherwise."""
+    if isinstance(value, str) and value.strip().lower() in ('', 'none'):
+        return ()
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(b, int) and not isinstance(b, bool) for b in value):
+        return tuple(value)
+    raise ValueError(f"parameter 'buckets': expected a list of prompt lengths in tokens, "
+                     f"e.g. [1664, 1856], or none for no padding; got {value!r}")
+
+
 def read_model_config(engine_config: dict):
     """The engine's model config without building the engine: the checkpoint's config.yaml
     (weights not read) or the preset. Raises FileNotFoundError / ValueError."""
@@ -295,8 +308,7 @@ class PolicyNode(LifecycleNode):
                     f"{type(default).__name__} ({descriptor.description}"
                     + (f'; {descriptor.additional_constraints}'
                        if descriptor.additional_constraints else '')
-                    + ('; write floats with a decimal point, e.g. 0.0' if isinstance(default, float)
-                       else '')
+                    + (_float_hint(value, default) if isinstance(default, float) else '')
                     + ('; YAML reads unquoted on/off/yes/no/true/false as booleans: write one '
                        'of the values listed'
                        if isinstance(default, str) and isinstance(value, bool) else '')
@@ -349,6 +361,7 @@ class PolicyNode(LifecycleNode):
         self.frames_decoded = 0     # images decoded by the synchronizer (worker thread only)
         self.last_skip = ''
         self.wake_late: float | None = None   # s, set by _sleep_until (worker thread only)
+        self.runqueue_mark: float | None = None   # s, likewise
         if getattr(self, '_gc_pauses', None) is not None:
             self._gc_pauses.remove()
         self._gc_pauses = GcPauses(STATS_WINDOW)
@@ -388,10 +401,10 @@ class PolicyNode(LifecycleNode):
         from molmobot_policy.runtime.engine import fused_action_expert_mode
         engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
             engine_config['fused_action_expert'])
-        engine_config['buckets'] = tuple(engine_config['buckets'])
         engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()
         try:
+            engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             self._check_unknown_parameters()
             if not cameras or not joints or not action_joints:
                 raise ValueError('camera_topics, joint_names and action_joint_names must not '
@@ -412,8 +425,9 @@ class PolicyNode(LifecycleNode):
                                    'cameras)')
             self.engine = self._engine_factory(engine_config)
             check_robot_contract(self.engine.model_config, *contract)
+            self._check_not_shut_down()
             self.get_logger().info('configuring: warming up the engine')
-            self.engine.warmup()
+            self.engine.warmup(progress=self._warmup_progress)
         except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
             # a KeyError's str() is its message in quotes
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
@@ -429,6 +443,19 @@ class PolicyNode(LifecycleNode):
                                       'observations without one; set it (it may change at '
                                       'run time)')
         return TransitionCallbackReturn.SUCCESS
+
+    def _check_not_shut_down(self) -> None:
+        """Raises KeyboardInterrupt once the context is shut down (SIGINT or SIGTERM reached
+        rclpy's handler). configure checks between its steps and warm-up buckets: where the
+        signal itself raises no KeyboardInterrupt (a process started with SIGINT ignored, such
+        as a shell script's background job), configure stops there instead of compiling every
+        bucket and then failing its transition on the dead context."""
+        if not self.context.ok():
+            raise KeyboardInterrupt('the ROS context was shut down while configuring')
+
+    def _warmup_progress(self, message: str) -> None:
+        self._check_not_shut_down()
+        self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._reset_statistics()
@@ -550,18 +577,21 @@ class PolicyNode(LifecycleNode):
         Sim time: waits of at most POLL_S, re-reading the ROS clock (it follows /clock).
         System time: waits until BUSY_WAIT_S before t, then polls the clock, releasing the
         GIL between polls (time.sleep(0)), so the wake-up is not late by a timer's slack.
-        `self.wake_late` is set to how late (s) the last timed wait returned on the system
-        clock (None: no timed wait, or sim time).
+        On the system clock it records how late (s) the last timed wait returned
+        (`self.wake_late`) and the thread's run-queue wait before it (`self.runqueue_mark`,
+        `timing.runqueue_wait_s`); None: no timed wait, or sim time.
         """
         sim_time = self.get_clock().ros_time_is_active
         tail = 0.0 if sim_time else BUSY_WAIT_S
-        self.wake_late = None
+        self.wake_late = self.runqueue_mark = None
         while not self._stop.is_set():
             remaining = t - self._now()
             if remaining <= 0.0:
                 return True
             if remaining > tail:
                 timeout = min(remaining - tail, POLL_S)
+                if not sim_time and timeout == remaining - tail:    # the last wait before t
+                    self.runqueue_mark = runqueue_wait_s()
                 if self._stop.wait(timeout):
                     break
                 if not sim_time:
@@ -668,7 +698,6 @@ class PolicyNode(LifecycleNode):
                                     stride=actions.shape[1])]
             array.data = actions.astype(np.float32).ravel().tolist()
 
-        runqueue_before = runqueue_wait_s()
         if not self._sleep_until(tick.deadline):
             return
         publish_called = self._now()
@@ -698,12 +727,15 @@ class PolicyNode(LifecycleNode):
                 'dropped': dropped, 'frames_decoded': frames_decoded,
                 'first_action': first,
                 # where publish jitter comes from (benchmarks/benchmark_node_jitter.py):
-                # the wait before the deadline returning late, the worker runnable without
-                # a CPU from that wait to the publish (the rest of a delay is the GIL), and
-                # the publish call itself; '' where not measured
+                # the last timed wait before the deadline returning late, the worker
+                # runnable without a CPU from that wait's start to after the publish (the
+                # operating system's share, with at most BUSY_WAIT_S of harmless polling
+                # before the deadline; the rest of a delay is sleep, i.e. the GIL), and the
+                # publish call itself; '' where not measured
                 'wake_late_ms': _ms(self.wake_late),
-                'runqueue_wait_ms': _ms(None if runqueue_before is None or runqueue_after is None
-                                        else runqueue_after - runqueue_before),
+                'runqueue_wait_ms': _ms(None if self.runqueue_mark is None
+                                        or runqueue_after is None
+                                        else runqueue_after - self.runqueue_mark),
                 'publish_call_ms': _ms(published - publish_called)})))
         self.get_logger().info(
             f'chunk {self.chunks_published}: observation age {age_ms:.0f} ms, inference '
@@ -831,6 +863,18 @@ def ros_domain_id_problem(environ) -> str | None:
     return None
 
 
+def _float_hint(value, default: float) -> str:
+    """How to write a float parameter that came as another type (the example is the
+    default, always in range)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return f'; write a number, e.g. {default!r} (the default)'
+        return f'; a quoted number is a string: write {value} without quotes'
+    return f'; write floats with a decimal point, e.g. {default!r} (the default)'
+
+
 def _range_text(descriptor: ParameterDescriptor) -> str:
     """'allowed: min to max' from a descriptor's floating-point or integer range."""
     ranges = list(descriptor.floating_point_range) or list(descriptor.integer_range)
@@ -855,21 +899,29 @@ def format_action(values) -> str:
     return '[' + ', '.join(f'{float(v):.3f}' for v in values) + ']'
 
 
+_SEVERITY = {logging.CRITICAL: 'FATAL', logging.ERROR: 'ERROR', logging.WARNING: 'WARN',
+             logging.INFO: 'INFO'}
+
+
 class RosLogHandler(logging.Handler):
     """Python `logging` records (the package's own: the engine's and fp8's, which hold no ROS
     logger) passed to a ROS logger, so that they reach the console and /rosout formatted and
     filtered like the node's lines; without it a warning printed as a bare line and an info
-    line (e.g. which fp8 mode the start-up probe chose) not at all."""
+    line (e.g. which fp8 mode the start-up probe chose) not at all. Once `context` is shut
+    down (Ctrl-C) the records are printed in the same format instead."""
 
-    def __init__(self, ros_logger) -> None:
+    def __init__(self, ros_logger, context=None) -> None:
         super().__init__(logging.INFO)
         self._ros_logger = ros_logger
+        self._context = context
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = self.format(record)
             level = record.levelno
-            if level >= logging.CRITICAL:
+            if self._context is not None and not self._context.ok():
+                _print_log(self._ros_logger.name, _SEVERITY.get(level, 'DEBUG'), message)
+            elif level >= logging.CRITICAL:
                 self._ros_logger.fatal(message)
             elif level >= logging.ERROR:
                 self._ros_logger.error(message)
@@ -881,6 +933,12 @@ class RosLogHandler(logging.Handler):
                 self._ros_logger.debug(message)
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
+
+
+def _print_log(name: str, severity: str, message: str) -> None:
+    """A log line in the ROS console format, printed to stderr: for when the context is shut
+    down (Ctrl-C) and the ROS logger's /rosout publisher would fail on every line."""
+    print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)
 
 
 def main(args=None) -> int:
@@ -898,6 +956,7 @@ def main(args=None) -> int:
         return 1
     node = None
     status = 0
+    starting = False        # inside autostart's configure + activate
     package_log = logging.getLogger('molmobot_policy')
     forward = None
     try:
@@ -906,7 +965,7 @@ def main(args=None) -> int:
         except ValueError as error:
             print(f'[FATAL] [{NODE_NAME}]: {error}', file=sys.stderr, flush=True)
             return 1
-        forward = RosLogHandler(node.get_logger())
+        forward = RosLogHandler(node.get_logger(), node.context)
         package_log.addHandler(forward)
         package_log.setLevel(logging.INFO)
         package_log.propagate = False       # printed once, by the ROS logger
@@ -924,9 +983,17 @@ def main(args=None) -> int:
         # (benchmarks/RESULTS.md, "What it took: the executor and the garbage collector").
         executor = SingleThreadedExecutor()
         executor.add_node(node)
-        if node.get_parameter('autostart').value and not node.autostart():
-            node.get_logger().fatal('autostart failed (see the error above); exiting')
-            status = 1
+        if node.get_parameter('autostart').value:
+            starting = True
+            started = node.autostart()
+            starting = False
+        if node.get_parameter('autostart').value and not started:
+            if rclpy.ok():
+                node.get_logger().fatal('autostart failed (see the error above); exiting')
+                status = 1
+            else:   # Ctrl-C / SIGTERM while starting: rclpy's handler shut the context down
+                _print_log(node.get_name(), 'INFO',
+                           'interrupted while starting (configure / activate)')
         else:
             if not node.get_parameter('autostart').value:
                 node.get_logger().info(
@@ -935,7 +1002,9 @@ def main(args=None) -> int:
                     f'{node.get_fully_qualified_name()} configure`, then activate)')
             executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
-        pass
+        if starting:
+            _print_log(node.get_name(), 'INFO',
+                       'interrupted while starting (configure / activate)')
     except RCLError:
         if rclpy.ok():          # a real error; with Ctrl-C the context is already shut down
             raise
@@ -945,8 +1014,7 @@ def main(args=None) -> int:
             if rclpy.ok():
                 node.get_logger().info(message)
             else:       # after Ctrl-C the context is gone: /rosout cannot take it
-                print(f'[INFO] [{time.time():.9f}] [{node.get_name()}]: {message}',
-                      file=sys.stderr, flush=True)
+                _print_log(node.get_name(), 'INFO', message)
             node._stop_worker()
             node._close_engine()
             node.destroy_node()
