@@ -309,6 +309,8 @@ class PolicyNode(LifecycleNode):
                     + (f'; {descriptor.additional_constraints}'
                        if descriptor.additional_constraints else '')
                     + (_float_hint(value, default) if isinstance(default, float) else '')
+                    + (f'; {_range_text(descriptor)}' if descriptor.floating_point_range
+                       or descriptor.integer_range else '')
                     + ('; YAML reads unquoted on/off/yes/no/true/false as booleans: write one '
                        'of the values listed'
                        if isinstance(default, str) and isinstance(value, bool) else '')
@@ -941,18 +943,34 @@ def _print_log(name: str, severity: str, message: str) -> None:
     print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)
 
 
+def _forget_keyboard_interrupt() -> None:
+    """Keep a handled KeyboardInterrupt from turning the exit status into 'killed by SIGINT'.
+
+    CPython marks the interpreter's exit as a Ctrl-C exit whenever a KeyboardInterrupt
+    leaves code run through its PyRun_* functions (as C extensions' embedded Python does,
+    e.g. pybind11's py::exec during an import), even when Python code catches it afterwards;
+    at exit it then kills itself with SIGINT (status 130, or -2 to a parent's Popen): seen
+    in 3 of 10 interrupted start-ups. Any later PyRun_* call clears that mark
+    (Python/pythonrun.c, run_eval_code_obj): an empty one is run here. No-op elsewhere.
+    """
+    try:
+        import ctypes
+        ctypes.pythonapi.PyRun_SimpleString(b'pass')
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     problem = ros_domain_id_problem(os.environ)
     if problem:
-        print(f'[FATAL] [{NODE_NAME}]: {problem}', file=sys.stderr, flush=True)
+        _print_log(NODE_NAME, 'FATAL', problem)
         return 1
     try:
         rclpy.init(args=args)
     except RCLError as error:     # e.g. a params file that is not valid YAML
-        print(f'[FATAL] [{NODE_NAME}]: ROS 2 could not start: {error}'.rstrip(),
-              file=sys.stderr, flush=True)
+        _print_log(NODE_NAME, 'FATAL', f'ROS 2 could not start: {error}'.rstrip())
         return 1
     node = None
     status = 0
@@ -963,7 +981,7 @@ def main(args=None) -> int:
         try:
             node = PolicyNode()
         except ValueError as error:
-            print(f'[FATAL] [{NODE_NAME}]: {error}', file=sys.stderr, flush=True)
+            _print_log(NODE_NAME, 'FATAL', str(error))
             return 1
         forward = RosLogHandler(node.get_logger(), node.context)
         package_log.addHandler(forward)
@@ -1001,10 +1019,12 @@ def main(args=None) -> int:
                     f'{node.get_fully_qualified_name()}/change_state (e.g. `ros2 lifecycle set '
                     f'{node.get_fully_qualified_name()} configure`, then activate)')
             executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
+    except (KeyboardInterrupt, ExternalShutdownException) as stop:
         if starting:
             _print_log(node.get_name(), 'INFO',
                        'interrupted while starting (configure / activate)')
+        if isinstance(stop, KeyboardInterrupt):
+            _forget_keyboard_interrupt()
     except RCLError:
         if rclpy.ok():          # a real error; with Ctrl-C the context is already shut down
             raise
