@@ -78,6 +78,22 @@ def test_parameter_file_without_a_section_for_the_node_is_reported(tmp_path):
     assert unmatched_parameter_files(argv[:2] + argv[4:], 'molmobot_policy') == []
 
 
+def _configure(context, name: str, **parameters) -> tuple[dict | None, list[str]]:
+    """Configure a node (autostart off) with `parameters` and an engine factory that records
+    its engine config and fails. Returns (that config or None, the error log lines)."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
+                      parameter_overrides=[Parameter('autostart', value=False)]
+                      + [Parameter(k, value=v) for k, v in parameters.items()])
+    try:
+        errors = []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+        return capture.config, errors
+    finally:
+        node.destroy_node()
+
+
 class _Capture:
     """Engine factory that records the engine config it is given, then fails configure."""
 
@@ -93,17 +109,9 @@ class _Capture:
                                              ('off', 'off')])
 def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected):
     """YAML and `-p fused_action_expert:=on` turn on/off into booleans; the node maps them."""
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=f'param_fused_{expected}_{value is True}',
-                      context=ros_context,
-                      parameter_overrides=[Parameter('autostart', value=False),
-                                           Parameter('fused_action_expert', value=value)])
-    try:
-        node.get_logger().error = lambda msg, **kw: None
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-        assert capture.config['fused_action_expert'] == expected
-    finally:
-        node.destroy_node()
+    config, _ = _configure(ros_context, f'param_fused_{expected}_{value is True}',
+                           fused_action_expert=value)
+    assert config['fused_action_expert'] == expected
 
 
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
@@ -172,30 +180,16 @@ def test_chunk_log_action_is_fixed_point_on_one_line():
 @pytest.mark.parametrize('value, expected', [('none', ()), ('None', ()), ([448, 512], (448, 512))])
 def test_buckets_none_means_no_padding(ros_context, value, expected):
     """README: `buckets: none` (a YAML file cannot write an empty list rcl can type)."""
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=f'param_buckets_{len(expected)}_'
-                      f'{value if isinstance(value, str) else "list"}', context=ros_context,
-                      parameter_overrides=[Parameter('autostart', value=False),
-                                           Parameter('buckets', value=value)])
-    try:
-        node.get_logger().error = lambda msg, **kw: None
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE   # 'captured'
-        assert capture.config['buckets'] == expected
-    finally:
-        node.destroy_node()
+    name = f'param_buckets_{value if isinstance(value, str) else "list"}'
+    config, _ = _configure(ros_context, name, buckets=value)
+    assert config['buckets'] == expected
 
 
 def test_a_bucket_word_other_than_none_is_one_clear_error(ros_context):
-    node = _node(ros_context, [Parameter('autostart', value=False),
-                               Parameter('buckets', value='auto')], 'param_buckets_auto')
-    try:
-        errors = []
-        node.get_logger().error = lambda msg, **kw: errors.append(msg)
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-        assert any("parameter 'buckets': expected a list of prompt lengths" in e
-                   and "got 'auto'" in e for e in errors), errors
-    finally:
-        node.destroy_node()
+    config, errors = _configure(ros_context, 'param_buckets_auto', buckets='auto')
+    assert config is None                   # refused before the engine is built
+    assert any("parameter 'buckets': expected a list of prompt lengths" in e
+               and "got 'auto'" in e for e in errors), errors
 
 
 def test_a_quoted_number_for_a_float_parameter_says_to_drop_the_quotes(ros_context):
