@@ -201,3 +201,15 @@ def test_ctrl_c_during_configure_stops_it_there(start_policy_node, sigint_ignore
     assert 'configured in' not in log and 'active:' not in log, log[-2000:]
     assert 'Failed to complete transition' not in log, log[-2000:]
     assert 'Failed to publish log message to rosout' not in log, log[-2000:]
+
+
+def test_an_empty_instruction_skips_ticks_naming_the_parameter(start_policy_node):
+    """Allowed at configure (it may be set at run time): the node warns, then each tick is
+    skipped with a reason that names the parameter, not the engine's wording."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True, instruction=''))
+    assert node.wait_for_log('active:', 60.0), node.log()
+    assert "parameter 'instruction' is empty: the engine refuses" in node.log()
+    assert node.wait_for_log("skipping tick 0: parameter 'instruction' is empty: set it", 20.0), \
+        node.log()[-2000:]
+    assert node.running()
+    assert node.stop(timeout=15.0) == 0, node.log()[-2000:]

@@ -641,9 +641,13 @@ class PolicyNode(LifecycleNode):
 
     def _tick(self, tick, latency: LatencyEstimator) -> None:
         decoded_before = self.frames_decoded
-        observation = self._sync.build(self._now(), self._param('max_image_age'),
-                                       self._param('max_state_age'),
-                                       instruction=self._param('instruction'))
+        instruction = self._param('instruction')
+        if not instruction.strip():     # allowed at configure, to be set at run time
+            observation = Skip(("parameter 'instruction' is empty: set it to the task text "
+                                '(it may change at run time)',))
+        else:
+            observation = self._sync.build(self._now(), self._param('max_image_age'),
+                                           self._param('max_state_age'), instruction=instruction)
         if not isinstance(observation, Skip) and not self._gate.accept_observation(observation):
             observation = Skip(('observation is not newer than the last one used',))
         if isinstance(observation, Skip):
