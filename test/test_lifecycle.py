@@ -209,7 +209,8 @@ def test_an_empty_instruction_skips_ticks_naming_the_parameter(start_policy_node
     node = start_policy_node(dict(PARAMETERS, autostart=True, instruction=''))
     assert node.wait_for_log('active:', 60.0), node.log()
     assert "parameter 'instruction' is empty: the engine refuses" in node.log()
-    assert node.wait_for_log("skipping tick 0: parameter 'instruction' is empty: set it", 20.0), \
+    assert node.wait_for_log("parameter 'instruction' is empty: set it to the task text", 20.0), \
         node.log()[-2000:]
+    assert re.search(r"skipping tick \d+: parameter 'instruction' is empty", node.log())
     assert node.running()
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
