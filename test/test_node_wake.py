@@ -1,11 +1,12 @@
-"""The worker's wait for a deadline measures how late its timed wait returned
-(`PolicyNode.wake_late`, reported per chunk on ~/chunk_info as wake_late_ms): the first
-piece of a late publish, told apart from the run-queue wait and the publish call."""
+"""The worker's wait for a deadline measures how late its last timed wait returned
+(`PolicyNode.wake_late`, reported per chunk on ~/chunk_info as wake_late_ms) and marks the
+thread's run-queue count before that wait (`runqueue_mark`): clues to a late publish.
+
+A fake clock drives the node (`_now`) and its stop event's timed waits, so nothing here
+depends on how busy the machine is."""
 from __future__ import annotations
 
 import sys
-import threading
-import time
 
 import pytest
 
@@ -15,19 +16,34 @@ from rclpy.parameter import Parameter  # noqa: E402
 from molmobot_policy.ros.node import BUSY_WAIT_S, POLL_S, PolicyNode  # noqa: E402
 from molmobot_policy.timing import runqueue_wait_s  # noqa: E402
 
+TICK = 1e-5     # every clock read advances the fake clock this much (s), as real reads take time
 
-class _OversleepingStop:
-    """Stands in for the worker's stop event: every timed wait returns `extra` s late."""
 
-    def __init__(self, extra: float) -> None:
-        self.extra = extra
-        self._event = threading.Event()
+class _FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        self.t += TICK
+        return self.t
+
+
+class _StopEvent:
+    """The worker's stop event on the fake clock: each timed wait returns `extra` s late
+    and records the run-queue mark the node had set when it began."""
+
+    def __init__(self, clock: _FakeClock, node: PolicyNode, extra: float = 0.0) -> None:
+        self.clock, self.node, self.extra = clock, node, extra
+        self.timeouts: list[float] = []
+        self.marks: list[float | None] = []
 
     def is_set(self) -> bool:
-        return self._event.is_set()
+        return False
 
     def wait(self, timeout: float) -> bool:
-        time.sleep(timeout + self.extra)
+        self.timeouts.append(timeout)
+        self.marks.append(self.node.runqueue_mark)
+        self.clock.t += timeout + self.extra
         return False
 
 
@@ -35,45 +51,44 @@ class _OversleepingStop:
 def node(ros_context):
     node = PolicyNode(node_name='wake_test', context=ros_context, parameter_overrides=[
         Parameter('autostart', value=False), Parameter('model', value='tiny')])
+    clock = _FakeClock()
+    node._now = clock.now
+    node.clock = clock
     yield node
     node.destroy_node()
 
 
 def test_a_late_timed_wait_is_measured(node):
-    node._stop = _OversleepingStop(extra=0.02)
-    assert node._sleep_until(node._now() + 0.05)
-    assert node.wake_late is not None and node.wake_late >= 0.02 - 1e-4
-    if sys.platform.startswith('linux'):    # the run-queue count before the last wait
-        assert 0.0 <= node.runqueue_mark <= runqueue_wait_s()
+    node._stop = _StopEvent(node.clock, node, extra=0.02)
+    assert node._sleep_until(node._now() + 0.03)
+    assert node.wake_late == pytest.approx(0.02, abs=5 * TICK)
 
 
-def test_only_the_last_wait_before_the_deadline_is_measured(node):
-    """A long sleep waits in POLL_S pieces; the run-queue mark is taken before the last
-    one, so that the earlier wake-ups' waiting for a CPU (harmless) is not counted."""
-    marks = []
-    stop = _OversleepingStop(extra=0.0)
-    wait = stop.wait
-    stop.wait = lambda timeout: (marks.append(node.runqueue_mark), wait(timeout))[1]
-    node._stop = stop
+def test_an_on_time_wait_is_not_late(node):
+    node._stop = _StopEvent(node.clock, node)
+    assert node._sleep_until(node._now() + 0.03)
+    assert node.wake_late == pytest.approx(0.0, abs=5 * TICK)
+
+
+def test_only_the_last_wait_before_the_deadline_is_marked(node):
+    """A long sleep waits in POLL_S pieces; the run-queue mark is taken before the last one
+    only, so that the earlier wake-ups' waiting for a CPU (harmless) is not counted."""
+    stop = node._stop = _StopEvent(node.clock, node)
     assert node._sleep_until(node._now() + 3.5 * POLL_S)
-    assert len(marks) >= 4
-    assert all(mark is None for mark in marks[:-1])
+    assert stop.timeouts[:3] == [POLL_S] * 3 and len(stop.timeouts) == 4
+    assert stop.marks[:3] == [None] * 3
     if sys.platform.startswith('linux'):
-        assert marks[-1] is not None
-
-
-def test_an_on_time_wait_is_not_called_late_by_the_oversleep_margin(node):
-    node._stop = _OversleepingStop(extra=0.0)
-    assert node._sleep_until(node._now() + 0.05)
-    assert node.wake_late is not None and node.wake_late < 0.04
+        assert stop.marks[3] is not None and 0.0 <= stop.marks[3] <= runqueue_wait_s()
 
 
 def test_no_timed_wait_no_lateness(node):
+    node._stop = _StopEvent(node.clock, node)
     node.wake_late = 1.0
-    assert node._sleep_until(node._now() - 1.0)           # deadline already passed
-    assert node.wake_late is None
+    assert node._sleep_until(node._now() - 1.0)               # deadline already passed
+    assert node.wake_late is None and node.runqueue_mark is None
     assert node._sleep_until(node._now() + 0.5 * BUSY_WAIT_S)   # inside the polling tail
     assert node.wake_late is None and node.runqueue_mark is None
+    assert node._stop.timeouts == []
 
 
 def test_a_stop_during_the_wait_returns_false_without_lateness(node):
