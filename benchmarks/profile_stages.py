@@ -82,7 +82,6 @@ def main() -> None:
     engine = PolicyEngine(EngineConfig(model=args.preset, device=device, dtype='bfloat16',
                                        compile=True, instruction=INSTRUCTION, buckets=buckets))
     model, ae = engine.model, engine.model.action_expert
-
     text = engine.text_inputs(INSTRUCTION)
     rng = np.random.default_rng(0)
     frames = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)

@@ -261,8 +261,7 @@ class ActionExpert(nn.Module):
         n, b = hidden.shape[:2]
         ctx = self.context_rows(hidden, state_tokens)
         s, d = ctx.shape[2], ctx.shape[3]
-        weight, _ = self._kv_projections()
-        kv = torch.bmm(ctx.reshape(n, b * s, d), weight.transpose(1, 2))
+        kv = torch.bmm(ctx.reshape(n, b * s, d), self._kv_projection_weight().transpose(1, 2))
         attn = self.blocks[0].attn2
         kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
         return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
@@ -302,10 +301,11 @@ class ActionExpert(nn.Module):
             return weight, bias
         return None
 
-    def _kv_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._stacked_kv_projections() or (
-            torch.stack(self._kv_projection_params('weight')),
-            torch.stack(self._kv_projection_params('bias')))
+    def _kv_projection_weight(self) -> torch.Tensor:
+        """(n_blocks, 2 hidden, hidden): the stacked kv_proj weights, stacked per call where
+        `stack_kv_projections_` has not (the bias is not needed: `context_key_values`)."""
+        stacked = self._stacked_kv_projections()
+        return stacked[0] if stacked else torch.stack(self._kv_projection_params('weight'))
 
     def cross_output_bias(self) -> torch.Tensor:
         """(n_blocks, hidden), parameter dtype: each block's cross-attention output bias with
