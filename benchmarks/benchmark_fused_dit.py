@@ -7,16 +7,24 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
 
 - `torch`: the blocks compiled as the engine compiles them (`fused_action_expert: off`);
 - `persistent`: `molmobot_policy.runtime.fused_dit.FusedDiTStep`, one launch per flow step
-  with grid barriers between phases (the default), then variants (TILE_VARIANTS: fc2 not
-  split, acquire-load barrier wait, smaller K chunks) and the barriers alone (SKIP: the
-  phases left out, so its output is wrong by design: it times the synchronization);
+  with grid barriers between phases (what the engine serves), then the barriers alone
+  (`SKIP`: the phases left out, so its output is wrong by design: it times the
+  synchronization);
+- `--baseline FILE`: another fused_dit.py (e.g. `git show HEAD:molmobot_policy/runtime/
+  fused_dit.py > /tmp/fused_dit_head.py`), timed in the same process: how to measure a
+  change to the kernel (`--repeat 2` alternates them);
 - `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
-Each row: median / p99 ms over `--iters` replays, warm-up + capture seconds, max |difference|
+Each row: p50 / p99 ms over `--iters` replays, warm-up + capture seconds, max |difference|
 of the loop output from `torch` and from a float32 eager reference (the same bf16 weights
 upcast), both relative to the reference's max |value|, and whether two replays gave the same
-bits. `python3 benchmarks/benchmark_fused_dit.py --out $OUT/fused_dit.json` (CUDA only).
+bits. CUDA only (on a CPU it says so and exits 2; the kernel's math is tested on the CPU by
+test/test_fused_dit_interpreter.py):
+
+    python3 benchmarks/benchmark_fused_dit.py --out $OUT/fused_dit.json        (H200: ~1 min)
+
+Writes JSON with `common.provenance()`.
 """
 from __future__ import annotations
 
@@ -24,28 +32,19 @@ import argparse
 import copy
 import functools
 import importlib.util
-import json
 import os
-import sys
 import time
 
 import torch
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(BENCH_DIR))
-sys.path.insert(0, BENCH_DIR)
-
-from molmobot_policy.model import action_expert as ae_mod  # noqa: E402
-from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
-from molmobot_policy.runtime import fused_dit  # noqa: E402
-from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
-from profile_stages import time_runner  # noqa: E402
+import common
+from molmobot_policy.model import action_expert as ae_mod
+from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.runtime import fused_dit
+from molmobot_policy.runtime.graphs import StaticRunner
 
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
     'persistent': {},
-    'persistent, fc2 not split': {'KS2': 1},
-    'persistent, acquire-load barrier wait': {'POLL': 1},
-    'persistent BK=128': {'BK': 128, 'BKA': 128},
     'barriers only (wrong output)': {'SKIP': 1},
 }
 
@@ -126,8 +125,8 @@ def main(argv=None) -> int:
                                   cuda_graph=True)
             warm = time.perf_counter() - t0
             a, b = runner.run(), runner.run()
-            timing = time_runner(runner, args.iters)
-            row = {'variant': label, 'median_ms': timing['median'], 'p99_ms': timing['p99'],
+            timing = common.summary(common.time_replays(runner, args.iters))
+            row = {'variant': label, 'p50_ms': timing['p50'], 'p99_ms': timing['p99'],
                    'warmup_s': warm, 'bitwise_stable': bool(torch.equal(a, b)),
                    'rel_diff_vs_fp32': float((a - reference).abs().max()) / scale}
             return row, a
@@ -168,36 +167,30 @@ def main(argv=None) -> int:
                 step = bound_steps(fused_dit.FusedDiTStep(ae, phased=True, phases=(p,)), cond)[0]
                 runner = StaticRunner(lambda x: step(x, cond[0].blocks, ctx), {'x': x_tokens},
                                       cuda_graph=True)
-                timing = time_runner(runner, args.iters)
-                us = 1e3 * timing['median'] / len(ae.blocks)
+                us = 1e3 * common.summary(common.time_replays(runner, args.iters))['p50'] \
+                    / len(ae.blocks)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f'phase {p}: {type(exc).__name__}: {str(exc)[:300]}')
                 us = float('nan')
             phase_rows.append({'phase': p, 'us_per_block': us})
             print(phase_rows[-1], flush=True)
-    base = rows[0]['median_ms']
+    base = rows[0]['p50_ms']
     print(f'\nflow loop: {steps} steps x {len(ae.blocks)} blocks x {ae.cfg.hidden_size}, context '
           f'{ctx.keys.shape[-2]} tokens, bf16; {torch.cuda.get_device_name()}')
-    print(f"{'variant':<28}{'median ms':>10}{'p99 ms':>9}{'x torch':>8}{'vs fp32':>10}"
-          f"{'vs torch':>10}{'stable':>8}")
-    for r in rows:
-        if 'error' in r:
-            print(f"{r['variant']:<28} failed: {r['error']}")
-            continue
-        print(f"{r['variant']:<28}{r['median_ms']:>10.2f}{r['p99_ms']:>9.2f}"
-              f"{base / r['median_ms']:>8.2f}{r['rel_diff_vs_fp32']:>10.2e}"
-              f"{r.get('rel_diff_vs_torch', 0.0):>10.2e}{str(r['bitwise_stable']):>8}")
-    print('phased launches, us per block (incl. the launch gap): ' + ', '.join(
-        f"p{r['phase']} {r['us_per_block']:.1f}" for r in phase_rows))
+    common.print_table(
+        ['variant', 'p50 ms', 'p99 ms', 'x torch', 'vs fp32', 'vs torch', 'stable'],
+        [[r['variant'], 'failed: ' + r['error']] if 'error' in r else
+         [r['variant'], r['p50_ms'], r['p99_ms'], base / r['p50_ms'],
+          f"{r['rel_diff_vs_fp32']:.2e}", f"{r.get('rel_diff_vs_torch', 0.0):.2e}",
+          r['bitwise_stable']] for r in rows])
+    if phase_rows:
+        print('phased launches, us per block (incl. the launch gap): ' + ', '.join(
+            f"p{r['phase']} {r['us_per_block']:.1f}" for r in phase_rows))
     if args.out:
-        with open(args.out, 'w') as f:
-            json.dump({'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'), 'command': ' '.join(sys.argv),
-                       'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
-                       'triton': getattr(fused_dit.triton, '__version__', None), 'rows': rows,
-                       'phases': phase_rows},
-                      f, indent=1)
+        common.write_json(args.out, {**common.provenance(),
+                                     'triton': getattr(fused_dit.triton, '__version__', None),
+                                     'rows': rows, 'phases': phase_rows})
     return 0 if all('error' not in r for r in rows) else 1
-
 
 if __name__ == '__main__':
     raise SystemExit(main())

@@ -50,7 +50,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -61,11 +60,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_node_jitter import (cpu_seconds, interrupt_then_kill,  # noqa: E402
-                                   still_rgb8_image)
+import common
+from common import REPO, cpu_seconds
 
-REPO = Path(__file__).resolve().parents[1]
 READY = 'READY'
 TRANSPORT_ENV = ('FASTDDS_BUILTIN_TRANSPORTS', 'FASTDDS_DEFAULT_PROFILES_FILE',
                  'FASTRTPS_DEFAULT_PROFILES_FILE', 'RMW_FASTRTPS_USE_QOS_FROM_XML')
@@ -92,7 +89,7 @@ def run_publisher(args) -> int:
     rng = np.random.default_rng(os.getpid())
     streams = []
     for topic in args.topics:
-        msg = still_rgb8_image(topic, args.height, args.width, rng)
+        msg = common.random_rgb8_image(topic, args.height, args.width, rng)
         streams.append((topic, node.create_publisher(Image, topic, make_qos(args.qos)), msg))
     stamps: dict[str, list[int]] = {topic: [] for topic in args.topics}
     stop = threading.Event()
@@ -222,7 +219,7 @@ class Child:
         return bool(result) and result[0].strip() == READY
 
     def stop(self, timeout: float = 5.0) -> int:
-        status = interrupt_then_kill(self.popen, timeout)
+        status = common.interrupt_then_kill(self.popen, timeout)
         self._log.close()
         return status
 
@@ -349,7 +346,7 @@ def print_table(run: dict) -> None:
     c = run['config']
     print(f"\nimage transport: {c['cameras']} cameras x {c['rate']:g} Hz x {c['height']}x"
           f"{c['width']} rgb8 ({c['message_bytes'] / 1e6:.2f} MB), {c['processes']} publisher "
-          f"processes, {c['duration']:g} s per variant; {run['machine']['cpus']} CPUs")
+          f"processes, {c['duration']:g} s per variant; {run['cpus']} CPUs")
     width = max([len(label(r['transport'])) for r in run['results']] + [10]) + 2
     header = (f"{'transport':<{width}}{'qos':<15}{'pub/s':>7}{'recv/s':>8}{'ratio':>7}{'min':>6}"
               f"{'age p50':>9}{'age p99':>9}{'gap p99':>9}{'gap max':>9}{'sub CPU':>8}"
@@ -422,14 +419,12 @@ def main(argv=None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     domains = itertools.cycle(range(args.domain_id, args.domain_id_max + 1))
     run = {
+        **common.provenance(),
         'config': {k: v for k, v in vars(args).items()
                    if k in ('cameras', 'rate', 'height', 'width', 'processes', 'duration',
                             'warmup', 'grace', 'repeat')}
         | {'message_bytes': args.height * args.width * 3, 'transports': transports,
-           'qos': qos_variants, 'command': ' '.join(sys.argv)},
-        'machine': {'cpus': os.cpu_count(), 'platform': platform.platform(),
-                    'python': platform.python_version(),
-                    'date_utc': time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())},
+           'qos': qos_variants},
         'results': [],
     }
     for round_ in range(args.repeat):
@@ -450,8 +445,7 @@ def main(argv=None) -> int:
                           f"{result['age_ms']['p50']:.1f}/{result['age_ms']['p99']:.1f} ms",
                           flush=True)
     print_table(run)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(run, indent=1))
+    common.write_json(args.out, run)
     print(f'wrote {args.out}')
     return 0
 

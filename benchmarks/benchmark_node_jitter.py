@@ -54,7 +54,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -65,7 +64,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+import common
+from common import REPO, cpu_seconds, summary
+
 NODE_NAME = 'molmobot_policy'
 CHUNK_INFO_TOPIC = f'/{NODE_NAME}/chunk_info'
 SCHEDULE_STATUS = f'{NODE_NAME}: schedule'
@@ -79,24 +80,12 @@ PRESET_JOINTS = {
 }
 BUCKET_MULTIPLE = 64        # --buckets auto: the prompt length rounded up to this
 STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
-CLK_TCK = os.sysconf('SC_CLK_TCK')
 LATE_MS = 1.0               # chunks published later than this after their deadline count as late
 DELAY_KEYS = ('wake_late_ms', 'runqueue_wait_ms', 'publish_call_ms')   # parts of the delay
 DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
 
 
 # ----------------------------------------------------------------------------- publishers
-def still_rgb8_image(topic: str, height: int, width: int, rng: np.random.Generator):
-    """A sensor_msgs/Image of random rgb8 pixels (H, W), frame_id from the topic's first part;
-    publishers restamp and resend it."""
-    from sensor_msgs.msg import Image
-    frame = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-    msg = Image(height=height, width=width, encoding='rgb8', step=width * 3,
-                data=frame.tobytes())
-    msg.header.frame_id = topic.strip('/').split('/')[0]
-    return msg
-
-
 def run_publisher(args) -> int:
     """`publish` sub-command: publish images and/or joint states on a fixed absolute schedule.
 
@@ -113,7 +102,7 @@ def run_publisher(args) -> int:
     rng = np.random.default_rng(os.getpid())
     cameras = []
     for topic in args.cameras:
-        msg = still_rgb8_image(topic, args.height, args.width, rng)
+        msg = common.random_rgb8_image(topic, args.height, args.width, rng)
         cameras.append((topic, node.create_publisher(Image, topic, qos_profile_sensor_data), msg))
     joints = None
     if args.joints:
@@ -161,19 +150,6 @@ def run_publisher(args) -> int:
     return 0
 
 
-def interrupt_then_kill(popen: subprocess.Popen, timeout: float) -> int:
-    """SIGINT a running child (a clean ROS shutdown), SIGKILL it if it has not exited after
-    `timeout` s; returns its exit status."""
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGINT)
-        try:
-            popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
-    return popen.returncode
-
-
 class Process:
     """A child process; stdout parsed for STATS lines (publishers) or sent to a log file."""
 
@@ -205,7 +181,7 @@ class Process:
 
     def stop(self, timeout: float) -> int:
         """SIGINT, then SIGKILL after `timeout` s; returns the exit status."""
-        interrupt_then_kill(self.popen, timeout)
+        common.interrupt_then_kill(self.popen, timeout)
         if self._reader is not None:
             self._reader.join(timeout=2.0)
         self._log.close()
@@ -287,16 +263,6 @@ class Recorder:
 
 
 # ------------------------------------------------------------------------------------ CPU
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), s, from /proc/<pid>/stat (nan if gone)."""
-    try:
-        text = Path(f'/proc/{pid}/stat').read_text()
-    except OSError:
-        return math.nan
-    fields = text[text.rindex(')') + 2:].split()   # fields from 3 (state) on
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def machine_cpu() -> tuple[float, float, float]:
     """(busy, total, steal) jiffies of the whole machine from /proc/stat (proc(5): user nice
     system idle iowait irq softirq steal ...)."""
@@ -350,15 +316,6 @@ def parse_buckets(text: str) -> list[int] | str:
 
 
 # --------------------------------------------------------------------------------- report
-def summary(values) -> dict:
-    """p50 / p99 / max / min / n of a list of floats (nan when empty)."""
-    a = np.asarray(values, dtype=np.float64)
-    if a.size == 0:
-        return {'p50': math.nan, 'p99': math.nan, 'max': math.nan, 'min': math.nan, 'n': 0}
-    return {'p50': float(np.percentile(a, 50)), 'p99': float(np.percentile(a, 99)),
-            'max': float(a.max()), 'min': float(a.min()), 'n': int(a.size)}
-
-
 def _floats(chunks: list[dict], key: str) -> list[float]:
     """A chunk_info value as floats, leaving out chunks without it (older nodes, '')."""
     return [float(c[key]) for c in chunks if c.get(key, '') != '']
@@ -596,7 +553,7 @@ def main(argv=None) -> int:
 
     status = 1
     try:
-        status = run_benchmark(args, recorder, processes, workdir, out, stamp)
+        status = run_benchmark(args, recorder, processes, out)
     finally:
         for name in sorted(processes, key=lambda n: n != 'node'):   # the node first
             processes[name].stop(timeout=30.0 if name == 'node' else 5.0)
@@ -604,7 +561,7 @@ def main(argv=None) -> int:
     return status
 
 
-def run_benchmark(args, recorder, processes, workdir, out, stamp) -> int:
+def run_benchmark(args, recorder, processes, out) -> int:
     node = processes['node']
     started = time.monotonic()
     print(f'waiting for the first chunk (configure, warm-up; up to {args.startup_timeout:g} s)',
@@ -650,17 +607,13 @@ def run_benchmark(args, recorder, processes, workdir, out, stamp) -> int:
     results['per_chunk'] = {key: [c.get(key) for c in chunks] for key in (
         'tick', 'publish_jitter_ms', 'observation_age_ms', 'inference_ms', 'dropped',
         'frames_decoded') + DELAY_KEYS}
-    run = {'date': stamp, 'command': ' '.join([Path(sys.argv[0]).name] + sys.argv[1:]),
-           'host': platform.node(), 'machine': platform.platform(),
-           'python': platform.python_version(), 'cpus': os.cpu_count(),
-           'ros_domain_id': os.environ.get('ROS_DOMAIN_ID'),
+    run = {**common.provenance(), 'ros_domain_id': os.environ.get('ROS_DOMAIN_ID'),
            'fastdds_default_profiles_file': os.environ.get('FASTDDS_DEFAULT_PROFILES_FILE'),
            'config': {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                       if k != 'command'},
            'results': results}
     print_table(run)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(run, indent=1))
+    common.write_json(out, run)
     print(f'wrote {out}')
     return 0 if recorder.chunk_count() > 0 else 1
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Node jitter benchmark on the GPU machine (issue 5, item 5): the policy node with the
+# Node jitter benchmark on the GPU machine: the policy node with the
 # full-size random-weight model ('molmobot-4b-8cam', bf16, torch.compile, CUDA graphs, one
 # padding bucket fitted to the prompt) against 8 camera publishers (30 Hz, 480x640 rgb8) and
 # joint_states at 100 Hz, measured for DURATION seconds. See benchmarks/benchmark_node_jitter.py.
@@ -27,15 +27,13 @@
 #
 # DDS_PROFILE: with ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, rmw_fastrtps_cpp uses a 512 KiB
 # shared-memory segment per process, smaller than one 480x640 rgb8 image, and the node then
-# received only 67-117 of 240 frames/s (RESULTS.md "Node under load"); the profile adds a
-# 16 MiB segment (README "Large images over DDS").
+# received only 67-117 of 240 frames/s; the profile adds a 16 MiB segment (README "Large images
+# over DDS", docs/decisions/fastdds-large-images.md).
 #
-# CHUNK_PERIOD (default 0.15 s; the recorded run 3 used 0.12 s): the issue's condition for
-# zero deadline misses is a period >= 1.2 x the p99 inference measured in the node, which was
-# 77.9 ms for this configuration (bucket 1664, bf16; benchmarks/RESULTS.md "Node under
-# load"), so 0.12 s (1.54 x) passes with margin and 0.10 s (1.28 x) is about the shortest
-# period to try. The node starts inference 1.2 x p99 before each deadline and caps that lead
-# at 0.9 x period. Lower it only with the measured p99 in hand.
+# CHUNK_PERIOD (default 0.15 s; the figures in docs/PERFORMANCE.md use 0.12 s): keep it >= 1.2 x
+# the p99 inference the node reports (/diagnostics; 59-66 ms for this configuration in
+# docs/PERFORMANCE.md, so 0.12 s has margin). The node starts inference 1.2 x p99 before each
+# deadline and caps that lead at 0.9 x period. Lower it only with the measured p99 in hand.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

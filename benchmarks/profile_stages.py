@@ -1,53 +1,31 @@
 """Where a query's time goes: each stage of the full-size model timed alone as a CUDA graph,
 plus the top kernels of each stage (torch.profiler, compiled blocks, no graph).
 
-    python benchmarks/profile_stages.py --out benchmarks/out/stages.json
+    python benchmarks/profile_stages.py --out benchmarks/out/stages.json        (H200: ~2 min)
+    python benchmarks/profile_stages.py --preset tiny --buckets '' --iters 3   (CPU check)
 
-Stages: vision (ViT + connector), llm (embedding + vision + 36 blocks, every hidden state),
-prepare_context (action-expert K/V cache), flow_loop (10 Euler steps, precomputed
-conditioning). Variants show what a change would buy before it is made.
+Stages, with the default engine options (bf16, compiled blocks, the prompt padded to its
+bucket): vision (ViT + connector), llm (embedding + vision + 36 blocks, every hidden state),
+prepare_context (the action expert's K/V cache), flow_loop (10 Euler steps, precomputed
+conditioning; the fused DiT kernel where the engine serves it, and then also the compiled
+blocks as `flow_loop, compiled blocks`). On a CPU (a check of the script, not a measure)
+the stages run compiled without graphs and no kernels are listed. Writes JSON with
+`common.provenance()`.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from molmobot_policy.model.action_expert import ActionExpertContext  # noqa: E402
-from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
-from molmobot_policy.runtime.graphs import StaticRunner  # noqa: E402
-
-INSTRUCTION = 'pick up the red cube and put it in the bowl'
-
-
-def time_runner(runner: StaticRunner, iters: int) -> dict:
-    if not torch.cuda.is_available():          # CPU smoke run of this script
-        import time
-        samples = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            runner.run()
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return {'median': float(np.median(samples)), 'p99': float(np.percentile(samples, 99))}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iters):
-        start.record()
-        runner.run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    a = np.asarray(samples)
-    return {'median': float(np.median(a)), 'p99': float(np.percentile(a, 99))}
+import common
+from molmobot_policy.model.action_expert import ActionExpertContext
+from molmobot_policy.runtime.graphs import StaticRunner
 
 
 def top_kernels(fn, inputs: dict, n: int = 10) -> list[tuple[str, float, int]]:
+    """[('TOTAL kernels ms / launches', ms, launches), then the n longest kernels as (name,
+    ms, launches)] of one call of fn(**inputs), from torch.profiler; [] without CUDA."""
     from torch.profiler import ProfilerActivity, profile
     if not torch.cuda.is_available():
         return []
@@ -65,33 +43,26 @@ def top_kernels(fn, inputs: dict, n: int = 10) -> list[tuple[str, float, int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--iters', type=int, default=20)
     ap.add_argument('--out', default='benchmarks/out/stages.json')
     ap.add_argument('--buckets', default='1664,1856',
                     help="prompt padding buckets as the ladder uses; '' for the unpadded prompt")
-    ap.add_argument('--variants', action='store_true',
-                    help='also time the old what-if variants (fp32 ViT attention, unmasked '
-                         'LLM, max-autotune blocks)')
     args = ap.parse_args()
 
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     graphs = device == 'cuda'
     buckets = tuple(int(b) for b in args.buckets.split(',') if b)
-    engine = PolicyEngine(EngineConfig(model=args.preset, device=device, dtype='bfloat16',
-                                       compile=True, instruction=INSTRUCTION, buckets=buckets))
+    engine, _ = common.make_engine(dict(model=args.preset, device=device, dtype='bfloat16',
+                                        compile=True, buckets=buckets), warm_up=False)
     model, ae = engine.model, engine.model.action_expert
-    text = engine.text_inputs(INSTRUCTION)
-    rng = np.random.default_rng(0)
-    frames = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)
-                   for _ in range(engine.num_cameras))
+    mcfg = engine.model_config
+    obs = common.full_size_observation(engine.num_cameras, mcfg.state_dim, seed=0)
     with torch.inference_mode():
-        images = engine._images_to_device(frames)
-        states = engine._states_to_device(np.zeros(engine.model_config.state_dim, np.float32))
+        text, images, states = common.device_inputs(engine, obs)
         states = states.to(engine.dtype)
-        noise = torch.randn(1, engine.model_config.action_horizon, engine.model_config.action_dim,
-                            device=device)
+        noise = torch.randn(1, mcfg.action_horizon, mcfg.action_dim, device=device)
         llm_in = dict(input_ids=text.input_ids, images=images, token_pooling=text.token_pooling,
                       position_ids=text.position_ids, attention_mask=text.attention_mask,
                       image_positions=text.image_positions)
@@ -100,6 +71,7 @@ def main() -> None:
         hidden = model.llm_hidden_states(**llm_in)
         ctx = ae.prepare_context(hidden, text.attention_mask, states, engine._cross_out_bias)
         cond, steps = engine._conditioning, engine.flow_steps
+        fused = engine._fused_blocks     # the engine's fused DiT kernel (None: not used)
 
         def vision_fn(images, token_pooling):
             return model.vision_backbone(images, token_pooling)
@@ -109,8 +81,6 @@ def main() -> None:
 
         def context_fn(hidden, attention_mask, states):
             return ae.prepare_context(hidden, attention_mask, states, engine._cross_out_bias).keys
-
-        fused = engine._fused_blocks     # the engine's fused DiT kernel (None: not used)
 
         def loop_fn(noise, keys, values, mask_bias, state_tokens, out_bias, use_fused=True):
             c = ActionExpertContext(keys, values, mask_bias, state_tokens, out_bias)
@@ -123,9 +93,6 @@ def main() -> None:
         def loop_blocks_fn(**kw):
             return loop_fn(**kw, use_fused=False)
 
-        def llm_blocks_no_mask_fn(x, position_ids):
-            return model.transformer(x, position_ids, None)
-
         stages = {
             'vision': (vision_fn, dict(images=images, token_pooling=text.token_pooling)),
             'llm (incl. vision)': (llm_fn, llm_in),
@@ -137,58 +104,28 @@ def main() -> None:
         }
         if fused:
             stages['flow_loop, compiled blocks'] = (loop_blocks_fn, stages['flow_loop'][1])
-        if args.variants:
-            x_emb = model.embed_inputs(text.input_ids, images, text.token_pooling,
-                                       text.image_positions)
-            stages['llm blocks, no mask (flash)'] = (llm_blocks_no_mask_fn,
-                                                     dict(x=x_emb, position_ids=text.position_ids))
         results, kernels = {}, {}
         for name, (fn, inputs) in stages.items():
             runner = StaticRunner(fn, inputs, cuda_graph=graphs)
-            results[name] = time_runner(runner, args.iters)
+            results[name] = common.summary(common.time_replays(runner, args.iters))
             kernels[name] = top_kernels(fn, inputs)
-            print(f'{name:<32} median {results[name]["median"]:8.2f} ms  p99 '
+            print(f'{name:<28} p50 {results[name]["p50"]:8.2f} ms  p99 '
                   f'{results[name]["p99"]:8.2f}', flush=True)
 
-        def variant(name, fn, inputs, patch=None, unpatch=None):
-            try:
-                if patch:
-                    patch()
-                runner = StaticRunner(fn, inputs, cuda_graph=graphs)
-                results[name] = time_runner(runner, args.iters)
-                kernels[name] = top_kernels(fn, inputs)
-                print(f'{name:<32} median {results[name]["median"]:8.2f} ms', flush=True)
-            except Exception as err:  # noqa: BLE001 - an experiment may not run; report it
-                print(f'{name:<32} FAILED: {type(err).__name__}: {str(err)[:300]}', flush=True)
-            finally:
-                if unpatch:
-                    unpatch()
-
-        if args.variants:
-            # variant: ViT attention in float32 (upstream), against the bf16 default
-            from molmobot_policy.runtime.engine import set_vit_fp32_attention_
-            variant('vision, fp32 attention', vision_fn, stages['vision'][1],
-                    lambda: set_vit_fp32_attention_(model, True),
-                    lambda: set_vit_fp32_attention_(model, False))
-
-            # variant: action-expert blocks compiled with max-autotune (Triton GEMM templates,
-            # epilogue fusion)
-            def autotune():
-                for block in ae.blocks:
-                    block.compile(dynamic=False, fullgraph=True,
-                                  mode='max-autotune-no-cudagraphs')
-            variant('flow_loop, max-autotune', loop_blocks_fn, stages['flow_loop'][1], autotune)
-
-    print(f'\nprompt {text.length} tokens, padded to {text.bucket or text.length}')
+    result = {**common.provenance(), 'preset': args.preset, 'prompt_tokens': text.length,
+              'padded_to': text.bucket or text.length, 'stages_ms': results, 'kernels': kernels}
+    print(f"\n{result['gpu'] or 'cpu'}, {args.preset}, prompt {text.length} tokens, padded to "
+          f"{result['padded_to']}, commit {result['commit']}, package {result['package_digest']}")
+    common.print_table(['stage', 'p50 ms', 'p99 ms'],
+                       [[name, r['p50'], r['p99']] for name, r in results.items()])
     for name, rows in kernels.items():
+        if not rows:
+            continue
         print(f'\n== {name}')
         for kname, ms, count in rows:
             print(f'  {ms:9.3f} ms  {count:6d}  {kname}')
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w') as f:
-        json.dump({'stages_ms': results, 'kernels': kernels, 'prompt_tokens': text.length,
-                   'padded_to': text.bucket or text.length}, f,
-                  indent=1)
+    common.write_json(args.out, result)
+    print(f'wrote {args.out}')
 
 
 if __name__ == '__main__':
