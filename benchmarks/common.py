@@ -184,8 +184,7 @@ def write_json(path, data: dict) -> None:
 
 def print_table(headers: list[str], rows: list[list], digits: int = 2) -> None:
     """A plain-text table: the first column left-aligned, the others right-aligned; floats
-    with `digits` decimals, None as '-', anything else as str(). A row may be shorter than
-    `headers` (e.g. a name and an error)."""
+    with `digits` decimals, None as '-', anything else as str()."""
     def cell(value) -> str:
         if value is None:
             return '-'
@@ -193,7 +192,7 @@ def print_table(headers: list[str], rows: list[list], digits: int = 2) -> None:
             return f'{value:.{digits}f}'
         return str(value)
     cells = [headers] + [[cell(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(headers))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for r in cells:
         print('  '.join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
                         for i in range(len(r))).rstrip())
