@@ -161,7 +161,8 @@ def git_commit() -> str | None:
 
 def provenance() -> dict:
     """What names a result: UTC date, the command line, the machine, the code (git commit and
-    package digest) and, where torch is loaded, its version and the GPU."""
+    package digest) and, where torch is loaded, its version and the GPU (named only where this
+    process already uses CUDA: the ROS benchmarks' recorder must not take a CUDA context)."""
     result = {'date': datetime.now(timezone.utc).isoformat(timespec='seconds'),
               'command': ' '.join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
               'host': platform.node(), 'platform': platform.platform(),
@@ -170,7 +171,7 @@ def provenance() -> dict:
     torch = sys.modules.get('torch')
     if torch is not None:
         result['torch'] = torch.__version__
-        result['gpu'] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        result['gpu'] = torch.cuda.get_device_name() if torch.cuda.is_initialized() else None
     return result
 
 
