@@ -109,6 +109,18 @@ def test_even_layer_mode_reads_the_action_expert_depth(upstream_config):
     assert config_from_upstream(changed).ae_layer_ids == (0, 2, 3)
 
 
+def test_self_attn_with_max_horizon_below_horizon_plus_states_is_refused(upstream_config):
+    """self_attn puts the state token before the 16 actions: 17 position embeddings."""
+    changed = copy.deepcopy(upstream_config)
+    changed['model']['states_mode'] = 'self_attn'
+    changed['model']['action_expert']['max_horizon'] = 16
+    with pytest.raises(ValueError, match=r"states_mode 'self_attn' puts n_obs_steps = 1 state "
+                                         r'.*action_horizon = 16 .*max_horizon >= 17.*got 16'):
+        config_from_upstream(changed)
+    changed['model']['action_expert']['max_horizon'] = 17
+    assert config_from_upstream(changed).states_mode == 'self_attn'
+
+
 def test_load_checkpoint_gives_the_golden_weights(golden_state):
     model, cfg = load_checkpoint(GOLDEN)
     assert cfg.llm.d_model == 64

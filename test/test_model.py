@@ -1,5 +1,7 @@
 """MolmoBot on the tiny preset with random weights: shapes, determinism, the action-expert
 K/V cache (bitwise equal to the reference path), masks and input validation."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -413,6 +415,28 @@ def test_even_layer_mode_feeds_the_selected_llm_layers():
         v = model.action_expert(noise, torch.zeros(2), hidden,
                                 torch.ones_like(ids, dtype=torch.bool), states)
     assert torch.equal(actions, noise + v)
+
+
+@pytest.mark.parametrize('n_obs, max_horizon, ok', [(1, 16, False), (1, 17, True),
+                                                    (2, 17, False), (2, 18, True)])
+def test_self_attn_config_needs_a_position_embedding_per_state_and_action_token(
+        n_obs, max_horizon, ok):
+    def build():
+        return TINY.replace(states_mode='self_attn', n_obs_steps=n_obs,
+                            action_expert=dataclasses.replace(TINY.action_expert,
+                                                              max_horizon=max_horizon))
+    if ok:
+        assert build().action_expert.max_horizon == max_horizon
+    else:
+        with pytest.raises(ValueError, match=rf'max_horizon >= {16 + n_obs} .*got '
+                                             rf'{max_horizon}'):
+            build()
+
+
+def test_cross_attn_config_needs_position_embeddings_for_the_actions_only():
+    cfg = TINY.replace(n_obs_steps=2,
+                       action_expert=dataclasses.replace(TINY.action_expert, max_horizon=16))
+    assert cfg.action_expert.max_horizon == cfg.action_horizon == 16
 
 
 def test_non_uint8_images_raise_value_error(model):
