@@ -102,11 +102,16 @@ def test_missing_config_field_raises(upstream_config):
         config_from_upstream(changed)
 
 
-def test_even_layer_mode_reads_the_action_expert_depth(upstream_config):
+@pytest.mark.parametrize('n_llm, expected', [
+    (4, (0, 2, 3)),      # 1.5 -> 2 (half-up and half-to-even agree)
+    (6, (0, 2, 5)),      # 2.5 -> 2: Python's round (half to even), not 3
+])
+def test_even_layer_mode_reads_the_action_expert_depth(upstream_config, n_llm, expected):
     changed = copy.deepcopy(upstream_config)
     changed['model']['action_expert_layer_mode'] = 'even'
     changed['model']['action_expert']['num_layers'] = 3
-    assert config_from_upstream(changed).ae_layer_ids == (0, 2, 3)
+    changed['model']['llm']['n_layers'] = n_llm
+    assert config_from_upstream(changed).ae_layer_ids == expected
 
 
 def test_self_attn_with_max_horizon_below_horizon_plus_states_is_refused(upstream_config):
