@@ -102,11 +102,51 @@ def test_missing_config_field_raises(upstream_config):
         config_from_upstream(changed)
 
 
-def test_even_layer_mode_reads_the_action_expert_depth(upstream_config):
+@pytest.mark.parametrize('n_llm, expected', [
+    (4, (0, 2, 3)),      # 1.5 -> 2 (half-up and half-to-even agree)
+    (6, (0, 2, 5)),      # 2.5 -> 2: Python's round (half to even), not 3
+])
+def test_even_layer_mode_reads_the_action_expert_depth(upstream_config, n_llm, expected):
     changed = copy.deepcopy(upstream_config)
     changed['model']['action_expert_layer_mode'] = 'even'
     changed['model']['action_expert']['num_layers'] = 3
-    assert config_from_upstream(changed).ae_layer_ids == (0, 2, 3)
+    changed['model']['llm']['n_layers'] = n_llm
+    assert config_from_upstream(changed).ae_layer_ids == expected
+
+
+def test_self_attn_with_max_horizon_below_horizon_plus_states_is_refused(upstream_config):
+    """self_attn puts the state token before the 16 actions: 17 position embeddings."""
+    changed = copy.deepcopy(upstream_config)
+    changed['model']['states_mode'] = 'self_attn'
+    changed['model']['action_expert']['max_horizon'] = 16
+    with pytest.raises(ValueError, match=r"states_mode 'self_attn' puts n_obs_steps = 1 state "
+                                         r'.*action_horizon = 16 .*max_horizon >= 17.*got 16'):
+        config_from_upstream(changed)
+    changed['model']['action_expert']['max_horizon'] = 17
+    assert config_from_upstream(changed).states_mode == 'self_attn'
+
+
+def test_missing_action_stats_key_blames_default_repo_id_not_norm_stats_key(upstream_config):
+    """The default key is in the state stats but not in the postprocessor's (action) stats;
+    norm_stats_key was not given, so the error names where the key came from."""
+    changed = copy.deepcopy(upstream_config)
+    post = changed['model']['robot_postprocessor']['stats_by_repo']
+    post['other'] = post.pop('synthmanip')
+    with pytest.raises(ValueError) as info:
+        config_from_upstream(changed)
+    message = str(info.value)
+    assert "'synthmanip' (model.robot_preprocessor.default_repo_id)" in message
+    assert 'model.robot_postprocessor.stats_by_repo' in message and "['other']" in message
+    assert 'norm_stats_key' not in message
+
+
+def test_missing_action_stats_key_blames_norm_stats_key_when_given(upstream_config):
+    changed = copy.deepcopy(upstream_config)
+    pre = changed['model']['robot_preprocessor']['stats_by_repo']
+    pre['droid'] = pre['synthmanip']
+    with pytest.raises(ValueError, match=r"'droid' \(norm_stats_key\) is not in "
+                                         r'model.robot_postprocessor.stats_by_repo'):
+        config_from_upstream(changed, norm_stats_key='droid')
 
 
 def test_load_checkpoint_gives_the_golden_weights(golden_state):
@@ -164,6 +204,42 @@ def test_unexpected_keys_are_tolerated_when_not_strict(tmp_path, golden_state):
 def test_safetensors_round_trip(tmp_path, golden_state):
     write_checkpoint(tmp_path / 'st', golden_state, fmt='safetensors')
     model, _ = load_checkpoint(tmp_path / 'st')
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, golden_state[name]), name
+
+
+def truncated(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+@pytest.mark.parametrize('fmt, damage', [
+    ('pt', 'truncated'), ('pt', 'garbage'), ('pt', 'empty'),
+    ('safetensors', 'truncated'), ('safetensors', 'garbage')])
+def test_corrupt_weight_file_error_names_the_file_and_says_re_download(tmp_path, golden_state,
+                                                                       fmt, damage):
+    directory = write_checkpoint(tmp_path / 'ckpt', golden_state, fmt=fmt)
+    weights = directory / ('model.pt' if fmt == 'pt' else 'model.safetensors')
+    if damage == 'truncated':
+        truncated(weights)
+    else:
+        weights.write_bytes(b'not a checkpoint ' * 8 if damage == 'garbage' else b'')
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(directory)
+    message = str(info.value)
+    assert message.startswith(f'checkpoint weight file {weights} could not be read: it looks '
+                              'corrupt or truncated (re-download it). ')
+    cause = info.value.__cause__        # the reader's own words follow ours
+    assert cause is not None and message.endswith(f'{type(cause).__name__}: {cause}')
+    assert 'please torch.save your checkpoint' not in message
+
+
+def test_legacy_torch_save_format_still_loads(tmp_path, golden_state):
+    """A (non-zip) legacy torch.save file cannot be memory-mapped; it is read whole."""
+    directory = tmp_path / 'legacy'
+    write_checkpoint(directory, {})
+    torch.save(golden_state, directory / 'model.pt', _use_new_zipfile_serialization=False)
+    model, _ = load_checkpoint(directory)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, golden_state[name]), name
 

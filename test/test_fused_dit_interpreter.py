@@ -78,6 +78,48 @@ print(json.dumps({'fused': float((fused.float() - ref32).abs().max() / scale),
 '''
 
 
+VELOCITY_CHECK = r'''
+import copy, dataclasses, json, sys
+import torch
+sys.path.insert(0, sys.argv[1])     # test/, for the re-derivation
+import _dit_reference as ref
+from molmobot_policy.model import checkpoint as ckpt
+from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.runtime import fused_dit
+
+tiny = MolmoBotConfig.from_name('tiny')
+cfg = tiny.replace(states_mode='self_attn', action_expert_layer_mode='even',
+                   llm=dataclasses.replace(tiny.llm, n_layers=6),
+                   action_expert=dataclasses.replace(tiny.action_expert, num_layers=3))
+torch.manual_seed(0)
+ae = ckpt.random_model(cfg, 0, torch.device('cpu'), torch.float32).action_expert
+with torch.no_grad():
+    for p in ae.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+length = 45
+layers = torch.randn(len(ae.blocks), 1, length, cfg.llm.d_model)
+mask = torch.ones(1, length, dtype=torch.bool)
+mask[:, 33:] = False
+states = torch.randn(1, 1, cfg.state_dim)
+x_t = torch.randn(1, cfg.action_horizon, cfg.action_dim)
+t = torch.tensor([0.3])
+expected = ref.velocity({'action_expert.' + k: v for k, v in ae.state_dict().items()}, x_t, t,
+                        list(layers), mask, states, states_mode='self_attn',
+                        heads=cfg.action_expert.num_heads)
+with torch.inference_mode():
+    ae16 = copy.deepcopy(ae).half()
+    ctx = ae16.prepare_context(layers.half(), mask, states.half())
+    cond = ae16.time_conditioning(t)
+    blocks16 = ae16.velocity_from_conditioning(x_t, cond, ctx)
+    fused = ae16.velocity_from_conditioning(x_t, cond, ctx,
+                                            fused_dit.FusedDiTStep(ae16, phased=True))
+scale = expected.abs().max()
+print(json.dumps({'fused': float((fused.float() - expected).abs().max() / scale),
+                  'blocks': float((blocks16.float() - expected).abs().max() / scale),
+                  'shape_ok': fused.shape == x_t.shape}))
+'''
+
+
 def run_check(states_mode: str, padded: bool, tiles: dict | None = None,
               poison: bool = False, persistent: bool = False) -> dict:
     env = dict(os.environ, TRITON_INTERPRET='1')
@@ -95,6 +137,20 @@ def test_interpreted_kernel_matches_float32_no_worse_than_the_fp16_blocks(states
     assert r['shape_ok']
     # the kernel keeps the residual stream in float32: no worse than the fp16 blocks
     assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+
+
+def test_interpreted_kernel_self_attn_velocity_matches_the_float32_re_derivation():
+    """The whole velocity through the kernel in self_attn mode (state token at position 0,
+    actions at 1..H, the state token dropped before the final layer), 3 blocks fed by even
+    layers, against the plain float32 re-derivation of test/_dit_reference.py."""
+    env = dict(os.environ, TRITON_INTERPRET='1')
+    out = subprocess.run([sys.executable, '-c', VELOCITY_CHECK, os.path.dirname(__file__)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r['shape_ok']
+    assert r['fused'] <= max(1.5 * r['blocks'], 2e-3), r
+    assert r['fused'] < 1e-2, r      # float16 rounding, not a different function
 
 
 def test_interpreted_kernel_with_fc2_unsplit_agrees():

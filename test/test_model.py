@@ -1,5 +1,7 @@
 """MolmoBot on the tiny preset with random weights: shapes, determinism, the action-expert
 K/V cache (bitwise equal to the reference path), masks and input validation."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -413,6 +415,47 @@ def test_even_layer_mode_feeds_the_selected_llm_layers():
         v = model.action_expert(noise, torch.zeros(2), hidden,
                                 torch.ones_like(ids, dtype=torch.bool), states)
     assert torch.equal(actions, noise + v)
+
+
+@pytest.mark.parametrize('n_llm, n_ae, expected', [
+    (4, 3, (0, 2, 3)),          # 1.5 -> 2: half-up and half-to-even agree
+    (6, 3, (0, 2, 5)),          # 2.5 -> 2 (half to even), not 3
+    (10, 3, (0, 4, 9)),         # 4.5 -> 4, not 5
+    (6, 5, (0, 1, 2, 4, 5)),    # 2.5 -> 2, 3.75 -> 4
+    (2, 3, (0, 0, 1)),          # 0.5 -> 0, not 1
+    (1, 3, (0, 0, 0)),          # one LLM layer feeds every block
+    (6, 1, (5,)),               # one block reads the last layer
+])
+def test_even_layer_mode_rounds_like_pythons_round(n_llm, n_ae, expected):
+    """Upstream `_select_layer_states`: round(i * (n_llm - 1) / (n_ae - 1)) with Python's
+    round, half to even (../shared/docs/molmobot_model.md: 3 blocks over 6 layers ->
+    [0, 2, 5])."""
+    cfg = TINY.replace(action_expert_layer_mode='even',
+                       llm=dataclasses.replace(TINY.llm, n_layers=n_llm),
+                       action_expert=dataclasses.replace(TINY.action_expert, num_layers=n_ae))
+    assert cfg.ae_layer_ids == expected
+
+
+@pytest.mark.parametrize('n_obs, max_horizon, ok', [(1, 16, False), (1, 17, True),
+                                                    (2, 17, False), (2, 18, True)])
+def test_self_attn_config_needs_a_position_embedding_per_state_and_action_token(
+        n_obs, max_horizon, ok):
+    def build():
+        return TINY.replace(states_mode='self_attn', n_obs_steps=n_obs,
+                            action_expert=dataclasses.replace(TINY.action_expert,
+                                                              max_horizon=max_horizon))
+    if ok:
+        assert build().action_expert.max_horizon == max_horizon
+    else:
+        with pytest.raises(ValueError, match=rf'max_horizon >= {16 + n_obs} .*got '
+                                             rf'{max_horizon}'):
+            build()
+
+
+def test_cross_attn_config_needs_position_embeddings_for_the_actions_only():
+    cfg = TINY.replace(n_obs_steps=2,
+                       action_expert=dataclasses.replace(TINY.action_expert, max_horizon=16))
+    assert cfg.action_expert.max_horizon == cfg.action_horizon == 16
 
 
 def test_non_uint8_images_raise_value_error(model):

@@ -368,12 +368,21 @@ class ActionExpert(nn.Module):
                                 self.final_layer.modulation(c))
 
     def embed_actions(self, x_t: torch.Tensor, state_tokens: torch.Tensor) -> torch.Tensor:
-        """x_t (B, H, A) -> action tokens (B, [n_obs +] H, hidden)."""
-        horizon = x_t.shape[1]
-        x = self.action_embed(x_t.to(self.dtype)) + self.action_pos_embed[:, :horizon]
+        """x_t (B, H, A), state_tokens (B, n_obs, hidden) -> the self-attention tokens
+        (B, T, hidden), parameter dtype: action_embed(x_t), in self_attn mode after the
+        state tokens (T = n_obs + H, else T = H), plus action_pos_embed[:, :T]. So in
+        self_attn mode the state tokens take positions 0..n_obs-1 and the actions
+        n_obs..n_obs+H-1 (upstream: the states prepended first, then the position embedding
+        added). Raises ValueError when T exceeds max_horizon (the position table's length)."""
+        x = self.action_embed(x_t.to(self.dtype))
         if self.states_mode == 'self_attn':
             x = torch.cat([state_tokens, x], dim=1)
-        return x
+        if x.shape[1] > self.cfg.max_horizon:
+            raise ValueError(f'{x.shape[1]} action-expert tokens ({x_t.shape[1]} actions'
+                             + (f' + {state_tokens.shape[1]} state tokens'
+                                if self.states_mode == 'self_attn' else '')
+                             + f') exceed max_horizon = {self.cfg.max_horizon}')
+        return x + self.action_pos_embed[:, :x.shape[1]]
 
     def velocity_from_conditioning(self, x_t: torch.Tensor, cond: TimeConditioning,
                                    ctx: ActionExpertContext, blocks_fn=None) -> torch.Tensor:

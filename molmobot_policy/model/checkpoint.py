@@ -146,15 +146,17 @@ def _quantiles(stats: dict, key: str, where: str) -> tuple[list[float], list[flo
     return q01, q99
 
 
-def _repo_stats(processor: dict, where: str, norm_stats_key: str | None) -> tuple[str, dict]:
-    """(key, stats_by_repo[key]) of a robot pre/postprocessor; key default: default_repo_id."""
+def _repo_stats(processor: dict, where: str, norm_stats_key: str | None,
+                origin: str | None = None) -> tuple[str, dict]:
+    """(key, stats_by_repo[key]) of a robot pre/postprocessor; key default: default_repo_id.
+    origin: where the key came from, for the error (default: norm_stats_key if given)."""
     stats_by_repo = _get(processor, 'stats_by_repo', where)
     if not isinstance(stats_by_repo, dict):
         raise ValueError(f'config field {where}.stats_by_repo must be a mapping, got '
                          f'{stats_by_repo!r}')
     key = norm_stats_key or _get(processor, 'default_repo_id', where)
     if key not in stats_by_repo:
-        origin = 'norm_stats_key' if norm_stats_key else f'{where}.default_repo_id'
+        origin = origin or ('norm_stats_key' if norm_stats_key else f'{where}.default_repo_id')
         raise ValueError(f'normalization stats key {key!r} ({origin}) is not in '
                          f'{where}.stats_by_repo; available keys: {sorted(stats_by_repo)}')
     return key, stats_by_repo[key]
@@ -180,7 +182,8 @@ def _norm_stats(model: dict, norm_stats_key: str | None = None) -> NormStats:
     post, wp = model.get('robot_postprocessor'), 'model.robot_postprocessor'
     if isinstance(post, dict):
         _expect(post, 'action_norm_mode', wp, ('quantiles',), 'quantiles')
-        _, post_stats = _repo_stats(post, wp, key)
+        _, post_stats = _repo_stats(post, wp, key, 'norm_stats_key' if norm_stats_key
+                                    else f'{w}.default_repo_id')
         action_q01, action_q99 = _quantiles(post_stats, _get(post, 'action_key', wp),
                                             f'{wp}.stats_by_repo.{key}')
     else:
@@ -273,14 +276,31 @@ def config_from_upstream(cfg_dict: dict, *, bos: int | None = None,
         norm_stats=stats, name=name)
 
 
+def _read_weight_file(f: Path) -> dict[str, torch.Tensor]:
+    """One weight file's tensors: safetensors, or torch.save's zip format (memory-mapped) or
+    legacy format (read whole). Raises ValueError naming the file when it cannot be parsed
+    (corrupt or truncated), the reader's message after ours; a missing or unreadable file
+    (permissions) and MemoryError propagate unchanged."""
+    if f.suffix == '.safetensors':
+        from safetensors.torch import load_file   # outside the try: not a file problem
+    try:
+        if f.suffix == '.safetensors':
+            return load_file(str(f), device='cpu')
+        with open(f, 'rb') as stream:
+            zipped = stream.read(4) == b'PK\x03\x04'
+        return torch.load(f, map_location='cpu', mmap=zipped, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError, MemoryError):
+        raise
+    except Exception as error:   # noqa: BLE001 - torch / safetensors raise many kinds
+        raise ValueError(f'checkpoint weight file {f} could not be read: it looks corrupt or '
+                         f'truncated (re-download it). {type(error).__name__}: {error}'
+                         ) from error
+
+
 def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        if f.suffix == '.safetensors':
-            from safetensors.torch import load_file
-            state.update(load_file(str(f), device='cpu'))
-        else:
-            state.update(torch.load(f, map_location='cpu', mmap=True, weights_only=True))
+        state.update(_read_weight_file(f))
     return state
 
 
@@ -363,7 +383,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = 'cpu',
 
     Raises:
         FileNotFoundError: no config.yaml or no weights.
-        ValueError: unsupported config value, unknown norm_stats_key, or mismatched
+        ValueError: unsupported config value, unknown norm_stats_key, a weight file that
+            cannot be parsed (corrupt or truncated: the message names it), or mismatched
             keys/shapes (one error listing all; unexpected keys are tolerated when
             strict=False).
     """

@@ -179,6 +179,15 @@ class MolmoBotConfig:
         if self.action_horizon > self.action_expert.max_horizon:
             raise ValueError(f'action_horizon {self.action_horizon} exceeds '
                              f'action_expert.max_horizon {self.action_expert.max_horizon}')
+        tokens = self.action_horizon + self.n_obs_steps
+        if self.states_mode == 'self_attn' and tokens > self.action_expert.max_horizon:
+            # upstream prepends the state tokens to the actions, then adds
+            # action_pos_embed[:, :n_obs + horizon]
+            raise ValueError(f"states_mode 'self_attn' puts n_obs_steps = {self.n_obs_steps} "
+                             f'state token(s) before the action_horizon = '
+                             f'{self.action_horizon} action tokens, which needs '
+                             f'action_expert.max_horizon >= {tokens} (one position embedding '
+                             f'per token), got {self.action_expert.max_horizon}')
 
     @property
     def tokens_per_image(self) -> int:
