@@ -54,7 +54,8 @@ def run_variant(args) -> int:
     from rclpy.parameter import Parameter
 
     from molmobot_policy.model.config import MolmoBotConfig
-    from molmobot_policy.ros.node import SWITCH_INTERVAL_S, PolicyNode
+    from molmobot_policy.ros.main import SWITCH_INTERVAL_S
+    from molmobot_policy.ros.node import PolicyNode
     from molmobot_policy.timing import RollingStats
     from molmobot_policy.types import ActionChunk
 
@@ -105,12 +106,13 @@ def run_variant(args) -> int:
         return 1
     threading.Thread(target=executor.spin, daemon=True).start()
     time.sleep(SETTLE_S)
-    node.jitter_ms, node.inference_ms = RollingStats(100000), RollingStats(100000)
-    gc_pauses = node._gc_pauses
+    stats = node.loop.stats
+    stats.jitter_ms, stats.inference_ms = RollingStats(100000), RollingStats(100000)
+    gc_pauses = node.gc_pauses
     gc_pauses.pauses_ms = RollingStats(100000)
     collections0 = list(gc_pauses.collections)
     gc_pauses.max_ms = 0.0
-    chunks0, misses0 = node.chunks_published, node.deadline_misses
+    chunks0, misses0 = stats.chunks_published, stats.deadline_misses
     received0 = node._sync.stats(node._now())
     cpu0, wall0 = time.process_time(), time.monotonic()
     time.sleep(args.duration)
@@ -118,11 +120,11 @@ def run_variant(args) -> int:
     received = node._sync.stats(node._now())
     result = {
         'executor': args.executor, 'gc_freeze': args.gc_freeze,
-        'chunks': node.chunks_published - chunks0,
+        'chunks': stats.chunks_published - chunks0,
         'expected_chunks': int(wall / args.chunk_period),
-        'deadline_misses': node.deadline_misses - misses0,
+        'deadline_misses': stats.deadline_misses - misses0,
         'frames_received': sum(received[t].count - received0[t].count for t in cameras),
-        'inference_ms': node.inference_ms.summary(), 'publish_jitter_ms': node.jitter_ms.summary(),
+        'inference_ms': stats.inference_ms.summary(), 'publish_jitter_ms': stats.jitter_ms.summary(),
         'cpu_percent': 100.0 * (time.process_time() - cpu0) / wall,
         'gc_collections': [b - a for a, b in zip(collections0, gc_pauses.collections)],
         'gc_pause_ms': gc_pauses.pauses_ms.summary(), 'gc_pause_max_ms': gc_pauses.max_ms,
