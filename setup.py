@@ -23,7 +23,7 @@ setup(
     license='Apache-2.0',
     entry_points={
         'console_scripts': [
-            'policy_node = molmobot_policy.ros.node:main',
+            'policy_node = molmobot_policy.ros.main:main',
             'sim_robot = molmobot_policy.sim.robot_node:main',
             'demo = molmobot_policy.demo:main',
         ],

@@ -66,6 +66,7 @@ import yaml
 
 import common
 from common import REPO, cpu_seconds, summary
+from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
 
 NODE_NAME = 'molmobot_policy'
 CHUNK_INFO_TOPIC = f'/{NODE_NAME}/chunk_info'
@@ -81,7 +82,7 @@ PRESET_JOINTS = {
 BUCKET_MULTIPLE = 64        # --buckets auto: the prompt length rounded up to this
 STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
 LATE_MS = 1.0               # chunks published later than this after their deadline count as late
-DELAY_KEYS = ('wake_late_ms', 'runqueue_wait_ms', 'publish_call_ms')   # parts of the delay
+DELAY_KEYS = ChunkInfo.DELAY     # parts of the delay (the node's debug_timing)
 DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
 
 
@@ -297,7 +298,7 @@ def node_parameters(args, camera_topics: list[str], joints: list[str]) -> dict:
         'model': args.model, 'device': args.device, 'dtype': args.dtype, 'seed': 0,
         'flow_steps': args.flow_steps, 'compile': args.compile,
         'cuda_graphs': args.cuda_graphs, 'quantize': args.quantize,
-        'diagnostics_period': 1.0,
+        'diagnostics_period': 1.0, 'debug_timing': True,
     }
     if args.buckets:
         parameters['buckets'] = list(args.buckets)

@@ -12,16 +12,14 @@ from launch_ros.actions import Node
 
 
 def generate_launch_description():
-    default_params = os.path.join(get_package_share_directory('molmobot_policy'), 'config',
-                                  'policy_tiny.yaml')
+    config = os.path.join(get_package_share_directory('molmobot_policy'), 'config')
     return LaunchDescription([
-        DeclareLaunchArgument('params_file', default_value=default_params,
+        DeclareLaunchArgument('params_file', default_value=os.path.join(config, 'policy_tiny.yaml'),
                               description='policy node parameter file'),
         # ~1 MB camera images need a larger shared-memory segment than rmw_fastrtps_cpp's
         # default under ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (README, 'Large images').
         SetEnvironmentVariable('FASTDDS_DEFAULT_PROFILES_FILE', os.environ.get(
-            'FASTDDS_DEFAULT_PROFILES_FILE',
-            os.path.join(get_package_share_directory('molmobot_policy'), 'config', 'fastdds_large_images.xml'))),
+            'FASTDDS_DEFAULT_PROFILES_FILE', os.path.join(config, 'fastdds_large_images.xml'))),
         DeclareLaunchArgument('use_sim_time', default_value='false',
                               description='follow /clock'),
         Node(package='molmobot_policy', executable='policy_node', name='molmobot_policy',

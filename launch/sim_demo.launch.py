@@ -23,8 +23,7 @@ def generate_launch_description():
         # ~1 MB camera images need a larger shared-memory segment than rmw_fastrtps_cpp's
         # default under ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (README, 'Large images').
         SetEnvironmentVariable('FASTDDS_DEFAULT_PROFILES_FILE', os.environ.get(
-            'FASTDDS_DEFAULT_PROFILES_FILE',
-            os.path.join(get_package_share_directory('molmobot_policy'), 'config', 'fastdds_large_images.xml'))),
+            'FASTDDS_DEFAULT_PROFILES_FILE', os.path.join(config, 'fastdds_large_images.xml'))),
         SetEnvironmentVariable('MUJOCO_GL', os.environ.get('MUJOCO_GL', 'egl')),
         Node(package='molmobot_policy', executable='sim_robot', name='sim_robot',
              output='screen', emulate_tty=True,

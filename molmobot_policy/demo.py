@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from molmobot_policy.ros.messages import ChunkInfo
+
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 10.0
 # Fast DDS profile with a shared-memory segment that holds ~1 MB camera images; without it
@@ -91,14 +93,16 @@ class Monitor:
 
     def _on_chunk_info(self, msg) -> None:
         values = {kv.key: kv.value for kv in msg.values}
+        key = ChunkInfo
+        inference, jitter = float(values[key.INFERENCE_MS]), float(values[key.PUBLISH_JITTER_MS])
         with self.lock:
-            self.inference_ms.append(float(values['inference_ms']))
-            self.jitter_ms.append(float(values['publish_jitter_ms']))
+            self.inference_ms.append(inference)
+            self.jitter_ms.append(jitter)
             count = len(self.inference_ms)
-        print(f"chunk {count:3d}: observation age {float(values['observation_age_ms']):6.0f} ms, "
-              f"inference {float(values['inference_ms']):6.0f} ms, "
-              f"jitter {float(values['publish_jitter_ms']):6.2f} ms, "
-              f"{values['points']} points, first action {values['first_action']}", flush=True)
+        print(f'chunk {count:3d}: observation age '
+              f'{float(values[key.OBSERVATION_AGE_MS]):6.0f} ms, inference {inference:6.0f} ms, '
+              f'jitter {jitter:6.2f} ms, {values[key.POINTS]} points, first action '
+              f'{values[key.FIRST_ACTION]}', flush=True)
 
     def _on_diagnostics(self, msg) -> None:
         with self.lock:

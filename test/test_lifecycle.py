@@ -5,16 +5,15 @@ buckets too small); the engine's log lines through the ROS logger and a clean Ct
 import re
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip('rclpy')
 
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
-from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from sensor_msgs.msg import Image, JointState  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+from _robot_inputs import publish_robot_inputs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,6 +33,7 @@ PARAMETERS = {
     'model': 'tiny',
 }
 SERVICE_TIMEOUT = 60.0
+TRAJECTORY_TOPIC = '/molmobot_policy/joint_trajectory'
 
 
 @pytest.fixture(scope='module')
@@ -44,23 +44,9 @@ def lifecycle(start_policy_node, ros):
     if not (change.wait_for_service(SERVICE_TIMEOUT) and get.wait_for_service(SERVICE_TIMEOUT)):
         pytest.fail(f'lifecycle services did not appear; node log:\n{node.log()}')
     received = []
-    ros.node.create_subscription(JointTrajectory, '/molmobot_policy/joint_trajectory',
+    ros.node.create_subscription(JointTrajectory, TRAJECTORY_TOPIC,
                                  lambda m: received.append(time.monotonic()), 10)
-    cameras = [ros.node.create_publisher(Image, t, qos_profile_sensor_data) for t in CAMERAS]
-    joints = ros.node.create_publisher(JointState, '/lifecycle_joint_states', 10)
-    pixels = np.zeros((32, 40, 3), np.uint8).tobytes()
-
-    def publish():
-        stamp = ros.node.get_clock().now().to_msg()
-        for camera in cameras:
-            msg = Image(height=32, width=40, encoding='rgb8', step=120, data=pixels)
-            msg.header.stamp = stamp
-            camera.publish(msg)
-        state = JointState(name=JOINTS, position=[0.0] * len(JOINTS))
-        state.header.stamp = stamp
-        joints.publish(state)
-
-    ros.node.create_timer(0.1, publish)
+    publish_robot_inputs(ros.node, CAMERAS, '/lifecycle_joint_states', JOINTS)
     return node, change, get, received
 
 
@@ -90,12 +76,13 @@ def test_without_autostart_the_node_waits_unconfigured(lifecycle):
 
 
 def test_configure_builds_the_engine_and_stays_inactive(lifecycle, ros):
+    """Inactive: no trajectory publisher (and test_activate_starts_publishing_chunks checks
+    that no chunk came before activation)."""
     node, change, get, received = lifecycle
     assert _transition(change, Transition.TRANSITION_CONFIGURE), node.log()
     assert _state(get) == State.PRIMARY_STATE_INACTIVE
     assert 'warming up the engine' in node.log()
-    time.sleep(1.0)
-    assert received == []
+    assert received == [] and ros.node.count_publishers(TRAJECTORY_TOPIC) == 0
 
 
 def test_an_instruction_the_engine_cannot_serve_is_refused_when_set(lifecycle, ros):
@@ -121,18 +108,23 @@ def test_an_instruction_the_engine_cannot_serve_is_refused_when_set(lifecycle, r
 
 def test_activate_starts_publishing_chunks(lifecycle, ros):
     node, change, get, received = lifecycle
+    activating = time.monotonic()
     assert _transition(change, Transition.TRANSITION_ACTIVATE), node.log()
     assert _state(get) == State.PRIMARY_STATE_ACTIVE
     assert ros.wait_for(lambda: len(received) >= 2, 20.0), node.log()
+    assert min(received) > activating          # nothing while unconfigured or inactive
 
 
 def test_deactivate_stops_publishing(lifecycle, ros):
     node, change, get, received = lifecycle
     assert _transition(change, Transition.TRANSITION_DEACTIVATE), node.log()
-    assert _state(get) == State.PRIMARY_STATE_INACTIVE
     stopped = time.monotonic()
-    time.sleep(1.5)
+    assert _state(get) == State.PRIMARY_STATE_INACTIVE
+    # the worker is joined and the publisher destroyed before the transition returns:
+    # once the graph shows no publisher, nothing more can arrive
+    assert ros.wait_for(lambda: ros.node.count_publishers(TRAJECTORY_TOPIC) == 0, 10.0)
     assert [t for t in received if t > stopped + 0.2] == []
+    assert node.wait_for_log('deactivated after', 10.0), node.log()
 
 
 def test_cleanup_releases_the_engine_and_shutdown_finalizes(lifecycle):

@@ -6,9 +6,7 @@ images (64x80, mixed encodings) at 10 Hz and the joint state at 20 Hz, stamped w
 current time.
 """
 import math
-import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +17,8 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,6 +111,16 @@ class Robot:
         with self.lock:
             return [m for received, m in self.trajectories if received > t]
 
+    def schedule(self) -> dict:
+        """The latest /diagnostics schedule status's values ({} before any)."""
+        with self.lock:
+            arrays = list(self.diagnostics)
+        for array in reversed(arrays):
+            for status in array.status:
+                if status.name == 'molmobot_policy: schedule':
+                    return {kv.key: kv.value for kv in status.values}
+        return {}
+
 
 @pytest.fixture(scope='module')
 def robot(ros):
@@ -141,7 +151,8 @@ def test_chunks_are_well_formed_joint_trajectories(policy, robot, ros):
         with robot.lock:
             infos = list(robot.chunk_infos)
         for info in infos:
-            first = float(info['observation_stamp']) + int(info['dropped']) * CONTROL_PERIOD
+            first = (float(info[ChunkInfo.OBSERVATION_STAMP])
+                     + int(info[ChunkInfo.DROPPED]) * CONTROL_PERIOD)
             if abs(first - stamp) < 1e-4:       # chunks are >= 0.2 s apart
                 return info
         return None
@@ -152,34 +163,24 @@ def test_chunks_are_well_formed_joint_trajectories(policy, robot, ros):
     for msg in chunks:
         assert list(msg.joint_names) == JOINTS
         info = info_of(msg)
-        assert len(msg.points) == HORIZON - int(info['dropped']) == int(info['points'])
+        assert len(msg.points) == HORIZON - int(info[ChunkInfo.DROPPED]) \
+            == int(info[ChunkInfo.POINTS])
         assert len(msg.points) >= 1
         offsets = [p.time_from_start.sec * 10**9 + p.time_from_start.nanosec
                    for p in msg.points]
         assert offsets == [round(j * CONTROL_PERIOD * 1e9) for j in range(len(msg.points))]
-        assert _seconds(msg.header.stamp) > float(info['observation_stamp'])
+        assert _seconds(msg.header.stamp) > float(info[ChunkInfo.OBSERVATION_STAMP])
         for point in msg.points:
             assert len(point.positions) == len(JOINTS)
             assert np.all(np.isfinite(point.positions))
 
 
-def test_chunk_info_splits_the_publish_delay_by_cause(policy, robot, ros):
+def test_chunk_info_has_no_delay_clues_without_debug_timing(policy, robot, ros):
     start = _now(robot)
-    assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 2, 15.0), policy.log()
+    assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 1, 15.0), policy.log()
     with robot.lock:
         infos = list(robot.chunk_infos)
-    for info in infos:
-        assert float(info['publish_call_ms']) >= 0.0
-        # both '' where inference ran into the polling tail before the deadline (no timed
-        # wait, the run-queue count starts at the last one)
-        if info['wake_late_ms'] == '':
-            assert info['runqueue_wait_ms'] == ''
-            continue
-        assert math.isfinite(float(info['wake_late_ms']))
-        if sys.platform.startswith('linux'):
-            assert float(info['runqueue_wait_ms']) >= 0.0
-    # chunk_period 1.0 s leaves most chunks a timed wait before their deadline
-    assert any(info['wake_late_ms'] != '' for info in infos)
+    assert infos and all(not set(ChunkInfo.DELAY) & set(info) for info in infos), infos[-1]
 
 
 def test_chunks_are_published_once_per_chunk_period(policy, robot, ros):
@@ -187,7 +188,7 @@ def test_chunks_are_published_once_per_chunk_period(policy, robot, ros):
     assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 3, 20.0), policy.log()
     with robot.lock:
         infos = list(robot.chunk_infos)
-    ticks = [int(info['tick']) for info in infos]
+    ticks = [int(info[ChunkInfo.TICK]) for info in infos]
     assert ticks == sorted(set(ticks))      # one chunk per tick, in tick order
 
 
@@ -195,8 +196,8 @@ def test_observations_are_never_reused_or_older(policy, robot, ros):
     start = _now(robot)
     assert ros.wait_for(lambda: len(robot.chunks_after(start)) >= 2, 15.0), policy.log()
     with robot.lock:
-        stamps = [float(info['observation_stamp']) for info in robot.chunk_infos]
-        seqs = [int(info['observation_seq']) for info in robot.chunk_infos]
+        stamps = [float(info[ChunkInfo.OBSERVATION_STAMP]) for info in robot.chunk_infos]
+        seqs = [int(info[ChunkInfo.OBSERVATION_SEQ]) for info in robot.chunk_infos]
     assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
     assert seqs == sorted(set(seqs))
 
@@ -211,7 +212,7 @@ def test_diagnostics_report_cameras_inference_and_schedule(policy, robot, ros):
         assert float(values['rate_hz']) > 5.0 and float(values['age_ms']) < 600.0
     assert 'molmobot_policy: joint state /joint_states' in statuses
     inference = {kv.key: kv.value for kv in statuses['molmobot_policy: inference'].values}
-    assert float(inference['inference_p50_ms']) > 0.0
+    assert math.isfinite(float(inference['inference_p50_ms']))     # inference was timed
     assert inference['engine_model'] == 'tiny'
     schedule = {kv.key: kv.value for kv in statuses['molmobot_policy: schedule'].values}
     for key in ('publish_jitter_p50_ms', 'publish_jitter_p99_ms', 'publish_jitter_max_ms',
@@ -219,7 +220,7 @@ def test_diagnostics_report_cameras_inference_and_schedule(policy, robot, ros):
                 'skipped_ticks'):
         assert key in schedule
     assert int(schedule['chunks_published']) >= 1
-    assert float(schedule['gc_pause_max_since_activate_ms']) >= 0.0
+    assert math.isfinite(float(schedule['gc_pause_max_since_activate_ms']))
     assert len(schedule['gc_collections'].split('/')) == 3     # generations 0/1/2
 
 
@@ -230,10 +231,14 @@ def test_stopped_camera_is_warned_about_and_publishing_resumes(policy, robot, ro
     try:
         assert policy.wait_for_log('/cam3/image_raw is stale', 10.0, start=log_start), \
             policy.log()[log_start:]
-        time.sleep(1.5)
+        assert ros.wait_for(robot.schedule, 10.0)          # a /diagnostics schedule status
+        skipped = int(robot.schedule()['skipped_ticks'])
+        # two more ticks decided without cam3 (reported on /diagnostics)
+        assert ros.wait_for(lambda: int(robot.schedule()['skipped_ticks']) >= skipped + 2,
+                            10.0), policy.log()[log_start:]
         assert policy.running()
         with robot.lock:      # nothing was built without cam3: every observation predates it
-            assert all(float(info['observation_stamp']) <= paused_at
+            assert all(float(info[ChunkInfo.OBSERVATION_STAMP]) <= paused_at
                        for info in robot.chunk_infos)
     finally:
         robot.paused.discard('/cam3/image_raw')

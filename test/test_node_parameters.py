@@ -10,8 +10,10 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.model.checkpoint import load_config  # noqa: E402
-from molmobot_policy.ros.node import (PolicyNode, format_action,  # noqa: E402
-                                     unmatched_parameter_files)
+from molmobot_policy.ros.messages import format_action  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+from molmobot_policy.ros.parameters import (PARAMETERS, ParameterError,  # noqa: E402
+                                            unmatched_parameter_files)
 
 
 class _Refuse:
@@ -46,9 +48,16 @@ def test_engine_options_are_node_parameters(ros_context):
     try:
         assert node.get_parameter('overlong').value == 'truncate'
         assert node.get_parameter('vit_fp32_attention').value is True
-        assert node.get_parameter('kv_cache').value is True
     finally:
         node.destroy_node()
+
+
+def test_kv_cache_is_an_engine_option_not_a_node_parameter(ros_context):
+    """The engine's K/V cache switch is for benchmarks; a node always serves with it, and a
+    parameter file that sets it is refused like any unknown parameter."""
+    config, errors = _configure(ros_context, 'param_kv_cache', kv_cache=False)
+    assert config is None and 'kv_cache' not in PARAMETERS
+    assert any("unknown parameter(s)" in e and "'kv_cache'" in e for e in errors), errors
 
 
 def test_missing_checkpoint_path_is_named():
@@ -56,11 +65,20 @@ def test_missing_checkpoint_path_is_named():
         load_config('/nonexistent/molmobot_tinyy')
 
 
+def _refused(context, name: str, value, node_name: str) -> ParameterError:
+    """The ParameterError of a node given `name` = `value`, checked to name both."""
+    with pytest.raises(ParameterError) as info:
+        _node(context, [Parameter('autostart', value=False), Parameter(name, value=value)],
+              node_name)
+    error = info.value
+    assert (error.name, error.value) == (name, value)
+    assert f"'{name}'" in str(error) and repr(value) in str(error)
+    return error
+
+
 def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):
-    with pytest.raises(ValueError, match=r"parameter 'gripper_threshold': 0 is not a valid "
-                                         r'float.*decimal point'):
-        _node(ros_context, [Parameter('autostart', value=False),
-                            Parameter('gripper_threshold', value=0)], 'param_int_float')
+    error = _refused(ros_context, 'gripper_threshold', 0, 'param_int_float')
+    assert 'not a valid float' in error.expected and 'decimal point' in error.expected
 
 
 def test_parameter_file_without_a_section_for_the_node_is_reported(tmp_path):
@@ -115,39 +133,37 @@ def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected
 
 
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
-    with pytest.raises(ValueError, match=r"parameter 'quantize': False is not a valid str.*"
-                                         r"write one of the values listed"):
-        _node(ros_context, [Parameter('autostart', value=False),
-                            Parameter('quantize', value=False)], 'param_bool_str')
+    error = _refused(ros_context, 'quantize', False, 'param_bool_str')
+    assert 'not a valid str' in error.expected and 'booleans' in error.expected
+    assert "'fp8'" in error.expected            # the values allowed are listed
 
 
 @pytest.mark.parametrize('value, ok', [('42', True), ('0', True), ('232', True), ('', True),
                                        ('233', False), ('300', False), ('abc', False),
                                        ('-1', False)])
 def test_ros_domain_id_is_checked_before_dds_starts(value, ok):
-    from molmobot_policy.ros.node import ros_domain_id_problem
+    from molmobot_policy.ros.main import ros_domain_id_problem
 
     problem = ros_domain_id_problem({'ROS_DOMAIN_ID': value})
     assert (problem is None) == ok
     if not ok:
-        assert 'ROS_DOMAIN_ID must be an integer from 0 to 232' in problem and value in problem
+        assert 'ROS_DOMAIN_ID' in problem and '0 to 232' in problem and repr(value) in problem
 
 
-def test_node_main_refuses_an_unusable_domain_id_with_a_clear_message(monkeypatch, capsys):
-    from molmobot_policy.ros import node as node_module
+def test_node_main_refuses_an_unusable_domain_id_before_dds_starts(monkeypatch, capsys):
+    from molmobot_policy.ros import main as main_module
 
     monkeypatch.setenv('ROS_DOMAIN_ID', '300')
-    monkeypatch.setattr(node_module.rclpy, 'init', lambda **_: pytest.fail('DDS was started'))
-    assert node_module.main([]) == 1
-    assert "ROS_DOMAIN_ID must be an integer from 0 to 232, got '300'" in capsys.readouterr().err
+    monkeypatch.setattr(main_module.rclpy, 'init', lambda **_: pytest.fail('DDS was started'))
+    assert main_module.main([]) == 1
+    err = capsys.readouterr().err
+    assert 'ROS_DOMAIN_ID' in err and "'300'" in err
 
 
 def test_out_of_range_value_names_the_allowed_range(ros_context):
-    with pytest.raises(ValueError, match=r"parameter 'chunk_period': -1.0 is out of range "
-                                         r"\(.*allowed: 0.01 to 60.0\)$") as info:
-        _node(ros_context, [Parameter('autostart', value=False),
-                            Parameter('chunk_period', value=-1.0)], 'param_range')
-    assert 'decimal point' not in str(info.value)
+    error = _refused(ros_context, 'chunk_period', -1.0, 'param_range')
+    assert 'out of range' in error.expected and '0.01 to 60.0' in error.expected
+    assert 'decimal point' not in error.expected
 
 
 def test_malformed_params_file_is_one_fatal_line_not_a_traceback(tmp_path):
@@ -188,39 +204,65 @@ def test_buckets_none_means_no_padding(ros_context, value, expected):
 def test_a_bucket_word_other_than_none_is_one_clear_error(ros_context):
     config, errors = _configure(ros_context, 'param_buckets_auto', buckets='auto')
     assert config is None                   # refused before the engine is built
-    assert any("parameter 'buckets': expected a list of prompt lengths" in e
-               and "got 'auto'" in e for e in errors), errors
+    assert any("'buckets'" in e and "'auto'" in e and 'prompt lengths' in e
+               for e in errors), errors
 
 
 def test_a_quoted_number_for_a_float_parameter_says_to_drop_the_quotes(ros_context):
-    with pytest.raises(ValueError, match=r"parameter 'chunk_period': '1.5' is not a valid "
-                                         r'float.*a quoted number is a string: write 1.5'):
-        _node(ros_context, [Parameter('autostart', value=False),
-                            Parameter('chunk_period', value='1.5')], 'param_quoted_float')
+    error = _refused(ros_context, 'chunk_period', '1.5', 'param_quoted_float')
+    assert 'quoted number' in error.expected and 'write 1.5 without quotes' in error.expected
 
 
 def test_the_decimal_point_example_is_the_default_not_an_out_of_range_value(ros_context):
-    with pytest.raises(ValueError, match=r"parameter 'chunk_period': 0 is not a valid float.*"
-                                         r'decimal point, e\.g\. 1\.0 \(the default\); '
-                                         r'allowed: 0\.01 to 60\.0'):
-        _node(ros_context, [Parameter('autostart', value=False),
-                            Parameter('chunk_period', value=0)], 'param_int_period')
+    error = _refused(ros_context, 'chunk_period', 0, 'param_int_period')
+    assert 'e.g. 1.0 (the default)' in error.expected and '0.01 to 60.0' in error.expected
 
 
-@pytest.mark.parametrize('forget', [False, True])
-def test_a_handled_keyboard_interrupt_does_not_make_the_exit_a_sigint_death(forget):
-    """A KeyboardInterrupt that left embedded Python (PyRun_*, as C extensions run it) marks
-    CPython's exit as a Ctrl-C death even when caught; main() clears that mark after handling
-    a Ctrl-C, so an interrupted start-up exits 0 (it died of SIGINT in 3 of 10 tries)."""
+@pytest.mark.parametrize('name, value, expected', [
+    ('camera_qos', 'fast', "['sensor_data', 'reliable']"),
+    ('max_step', [0.1, 0.2], '0, 1 or 7')])
+def test_values_a_descriptor_cannot_check_are_refused_at_configure(ros_context, name, value,
+                                                                   expected):
+    config, errors = _configure(ros_context, f'param_value_{name}', **{name: value})
+    assert config is None
+    assert any(f"'{name}'" in e and repr(value) in e and expected in e for e in errors), errors
+
+
+def test_an_empty_topic_or_joint_list_is_refused():
+    """(rclpy cannot type an empty list parameter; a list that ends up empty is refused.)"""
+    from molmobot_policy.ros.parameters import check_parameter_values
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    with pytest.raises(ParameterError) as info:
+        check_parameter_values({**values, 'joint_names': []}.get)
+    assert (info.value.name, info.value.value) == ('joint_names', [])
+
+
+def test_the_first_sigint_raises_nothing_and_the_second_interrupts():
+    """rclpy's handler shuts the context down on every SIGINT; Python's handler raises
+    KeyboardInterrupt only from the second on (main then exits 130)."""
+    from molmobot_policy.ros.main import GracefulSigint
+
+    handler = GracefulSigint()
+    handler(2, None)
+    assert not handler.forced
+    with pytest.raises(KeyboardInterrupt):
+        handler(2, None)
+    assert handler.forced
+
+
+def test_sigint_handling_is_installed_only_over_pythons_default():
     import signal
-    import subprocess
-    import sys
-    code = ('import ctypes\n'
-            "ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"
-            + ('from molmobot_policy.ros.node import _forget_keyboard_interrupt\n'
-               '_forget_keyboard_interrupt()\n' if forget else ''))
-    status = subprocess.run([sys.executable, '-c', code], capture_output=True).returncode
-    if forget:
-        assert status == 0
-    else:       # the mark the test relies on: CPython kills itself with SIGINT at exit
-        assert status in (-signal.SIGINT, 128 + signal.SIGINT)
+
+    from molmobot_policy.ros.main import GracefulSigint
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)      # a shell's background job
+    try:
+        GracefulSigint().install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        handler = GracefulSigint().install()
+        assert signal.getsignal(signal.SIGINT) is handler
+        handler.uninstall()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,8 +18,8 @@ from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
-from molmobot_policy.ros.node import (PARAMETERS, PolicyNode,  # noqa: E402
-                                      check_robot_contract)
+from molmobot_policy.ros.node import PolicyNode, check_robot_contract  # noqa: E402
+from molmobot_policy.ros.parameters import PARAMETERS  # noqa: E402
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 
 from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
@@ -81,8 +81,7 @@ class ConfiguredNode:
         return self.node.trigger_configure()
 
     def close(self) -> None:
-        self.node._close_engine()
-        self.node.destroy_node()
+        self.node.destroy_node()        # releases the engine too
 
 
 @pytest.fixture

@@ -160,8 +160,10 @@ def test_frames_are_decoded_lazily_and_only_when_used():
         _fill(sync, stamp=stamp)
     assert decoded == []
     sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)
+    assert sync.last_build_decoded == len(CAMERAS)
     sync.build(now=10.3, max_image_age=1.0, max_state_age=1.0)
     assert decoded == list(CAMERAS)      # newest frames only, each decoded once
+    assert (sync.frames_decoded, sync.last_build_decoded) == (len(CAMERAS), 0)   # counted
 
 
 def _with_undecodable_frame(camera):

@@ -77,6 +77,10 @@ class ObservationSynchronizer:
         decode: msg, topic -> uint8 (H, W, 3) RGB; raises ValueError on bad data.
         rate_window: receive times kept per topic for the rate estimate.
 
+    Attributes:
+        frames_decoded: frames `build` has decoded (or tried to) since construction.
+        last_build_decoded: of those, by the latest `build` (worker thread only).
+
     Raises:
         ValueError: empty or duplicated camera topics or joint names.
     """
@@ -106,6 +110,8 @@ class ObservationSynchronizer:
         self._last_stamps: dict[str, float] = {}   # per input, stamps used by the last build
         self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
         self._seq = 0
+        self.frames_decoded = 0
+        self.last_build_decoded = 0
 
     # ----------------------------------------------------------------- store (callbacks)
     def add_image(self, topic: str, msg, stamp: float, received: float) -> bool:
@@ -185,6 +191,7 @@ class ObservationSynchronizer:
             undecodable camera topic and missing or stale joint. Never returns an
             observation that uses an input older than one used by an earlier observation.
         """
+        self.last_build_decoded = 0
         with self._lock:
             frames = {t: self._frames.get(t) for t in self.camera_topics}
             joints = {n: self._joints.get(n) for n in self.joint_names}
@@ -224,6 +231,8 @@ class ObservationSynchronizer:
         images = []
         for topic, frame in frames.items():
             if frame.decoded is None:
+                self.frames_decoded += 1
+                self.last_build_decoded += 1
                 try:
                     frame.decoded = self._decode(frame.msg, topic)
                 except ValueError as error:

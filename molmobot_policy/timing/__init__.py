@@ -11,15 +11,20 @@ chunk is joined to the previous one without pause, jump back or step (`ChunkStit
 Jitter, latency and ages are summarized over a rolling window (`RollingStats`); garbage
 collector pauses, which stop every thread, are timed by `GcPauses`; `runqueue_wait_s` reads
 how long the calling thread waited for a CPU (Linux), to tell the operating system's delays
-from the GIL's.
+from the GIL's. `PolicyLoop` is the worker that runs them on an injected clock.
 
 Pure python + numpy, no rclpy: every time is a float in seconds passed in by the caller
 (ROS time, so simulated time works), which keeps all of it testable with a fake clock.
 """
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
+from molmobot_policy.timing.loop import (ChunkReport, DelayClues, LoopEvents, LoopStats,
+                                         PolicyLoop, Wait)
 from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
-from molmobot_policy.timing.stats import GcPauses, RollingStats, runqueue_wait_s
+from molmobot_policy.timing.stats import (GcPauses, RollingStats, freeze_heap, runqueue_wait_s,
+                                          unfreeze_heap)
 
-__all__ = ['ChunkStitcher', 'DeadlineScheduler', 'GcPauses', 'LatencyEstimator', 'MissedTicks',
-           'ObservationGate', 'RollingStats', 'StitchedChunk', 'Tick', 'runqueue_wait_s']
+__all__ = ['ChunkReport', 'ChunkStitcher', 'DeadlineScheduler', 'DelayClues', 'GcPauses',
+           'LatencyEstimator', 'LoopEvents', 'LoopStats', 'MissedTicks', 'ObservationGate',
+           'PolicyLoop', 'RollingStats', 'StitchedChunk', 'Tick', 'Wait', 'freeze_heap',
+           'runqueue_wait_s', 'unfreeze_heap']

@@ -187,6 +187,22 @@ class GcPauses:
             gc.callbacks.remove(self)
 
 
+def freeze_heap() -> int:
+    """Collect, then move every object still alive out of the garbage collector's reach
+    (`gc.freeze`, CPython >= 3.7): a start-up heap (the model, compiled code, CUDA graphs:
+    millions of objects after torch.compile) that lives until cleanup then costs no full
+    collection hundreds of ms (refcounting still frees it). Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def unfreeze_heap() -> None:
+    """Undo `freeze_heap` and collect, so the collector frees the released heap's cycles."""
+    gc.unfreeze()
+    gc.collect()
+
+
 SCHEDSTAT_PATH = '/proc/thread-self/schedstat'
 
 

@@ -1,0 +1,236 @@
+"""Process entry of the policy node: the `policy_node` console script (setup.py) and
+`python -m molmobot_policy.ros.node` (or `.ros.main`).
+
+    python -m molmobot_policy.ros.node --ros-args --params-file config/policy_tiny.yaml
+
+Runs `PolicyNode` on a `SingleThreadedExecutor`; with `autostart` (default) it configures
+and activates the node itself, for users without lifecycle tooling.
+
+Signals: SIGINT (Ctrl-C) and SIGTERM are answered by rclpy's signal handler, which shuts the
+ROS context down; the node then stops at its next check (the executor's spin returns,
+configure stops between its steps and warm-up buckets) and the process exits 0. Python
+raises no KeyboardInterrupt for that first Ctrl-C (`GracefulSigint`), so no step is cut in
+the middle. A second Ctrl-C interrupts at once (KeyboardInterrupt, e.g. during a long
+checkpoint load or compile) and the process exits 130, the shell's status for SIGINT.
+
+Exit status: 0 after a clean stop, 1 when the node cannot start (bad environment, parameter
+or parameter file, configure failed), 130 after a second Ctrl-C.
+
+`main` lowers the interpreter's thread switch interval (SWITCH_INTERVAL_S) so that a
+subscription callback thread holding the GIL delays the worker's wake-up by at most that.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import rclpy
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+
+from molmobot_policy.ros.node import NODE_NAME, PolicyNode
+from molmobot_policy.ros.parameters import unmatched_parameter_files
+
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
+                            # GIL-holding callback thread delays the worker's wake-up
+EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
+INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
+
+
+class GracefulSigint:
+    """Python's SIGINT handler while the node runs: the first SIGINT raises nothing (rclpy's
+    handler, which calls this one after its own, has shut the context down: the node stops
+    at its next check); later ones raise KeyboardInterrupt, as Python's default does.
+
+    Installed only from the main thread over Python's default handler (not where SIGINT is
+    ignored, as in a shell's background job, or where an application set its own).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous = None
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+        print_log(NODE_NAME, 'INFO', 'SIGINT: stopping after the current step (Ctrl-C again '
+                                     'to interrupt at once)')
+
+    @property
+    def forced(self) -> bool:
+        """True after a second SIGINT."""
+        return self.count > 1
+
+    def install(self) -> 'GracefulSigint':
+        """Before rclpy.init, so that rclpy's handler chains to this one. Returns self."""
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handler (after rclpy's shutdown removed its own)."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+_SEVERITY = {logging.CRITICAL: 'FATAL', logging.ERROR: 'ERROR', logging.WARNING: 'WARN',
+             logging.INFO: 'INFO'}
+
+
+def print_log(name: str, severity: str, message: str) -> None:
+    """A log line in the ROS console format, printed to stderr: for when no ROS logger can
+    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down)."""
+    print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)
+
+
+class RosLogHandler(logging.Handler):
+    """Python `logging` records (the package's own: the engine's and fp8's, which hold no ROS
+    logger) passed to a ROS logger, so that they reach the console and /rosout formatted and
+    filtered like the node's lines; without it a warning printed as a bare line and an info
+    line (e.g. which fp8 mode the start-up probe chose) not at all. Once `context` is shut
+    down (Ctrl-C) the records are printed in the same format instead."""
+
+    def __init__(self, ros_logger, context=None) -> None:
+        super().__init__(logging.INFO)
+        self._ros_logger = ros_logger
+        self._context = context
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            level = record.levelno
+            if self._context is not None and not self._context.ok():
+                print_log(self._ros_logger.name, _SEVERITY.get(level, 'DEBUG'), message)
+            elif level >= logging.CRITICAL:
+                self._ros_logger.fatal(message)
+            elif level >= logging.ERROR:
+                self._ros_logger.error(message)
+            elif level >= logging.WARNING:
+                self._ros_logger.warning(message)
+            elif level >= logging.INFO:
+                self._ros_logger.info(message)
+            else:
+                self._ros_logger.debug(message)
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+@contextmanager
+def package_logs_to(node):
+    """Within: the `molmobot_policy` Python loggers print through `node`'s ROS logger only."""
+    package_log = logging.getLogger('molmobot_policy')
+    forward = RosLogHandler(node.get_logger(), node.context)
+    package_log.addHandler(forward)
+    package_log.setLevel(logging.INFO)
+    package_log.propagate = False       # printed once, by the ROS logger
+    try:
+        yield
+    finally:
+        package_log.removeHandler(forward)
+        package_log.propagate = True
+
+
+def ros_domain_id_problem(environ) -> str | None:
+    """Why the environment's ROS_DOMAIN_ID cannot work, or None (unset is fine).
+
+    Fast DDS derives its UDP ports from the domain id (port = 7400 + 250 * id + offset), so ids
+    above 232 give ports above 65535 and DDS fails to start with a transport error only."""
+    value = environ.get('ROS_DOMAIN_ID', '').strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 232:
+        return f'ROS_DOMAIN_ID must be an integer from 0 to 232, got {value!r}'
+    return None
+
+
+def main(args=None) -> int:
+    """Console entry point: run the node until Ctrl-C. Returns the exit status (see the
+    module docstring)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    problem = ros_domain_id_problem(os.environ)
+    if problem:
+        print_log(NODE_NAME, 'FATAL', problem)
+        return EXIT_FAILURE
+    sigint = GracefulSigint().install()
+    try:
+        rclpy.init(args=args)
+    except Exception as error:  # noqa: BLE001 - rclpy's RCLError, e.g. a params file that
+        sigint.uninstall()      # is not valid YAML
+        print_log(NODE_NAME, 'FATAL', f'ROS 2 could not start: {error}'.rstrip())
+        return EXIT_FAILURE
+    try:
+        try:
+            node = PolicyNode()
+        except ValueError as error:         # a parameter rclpy refused (ParameterError)
+            print_log(NODE_NAME, 'FATAL', str(error))
+            return EXIT_FAILURE
+        with package_logs_to(node):
+            return _serve(node, list(sys.argv if args is None else args), sigint)
+    except KeyboardInterrupt:       # a second Ctrl-C while the node shuts down
+        return EXIT_INTERRUPTED
+    finally:
+        rclpy.try_shutdown()
+        sigint.uninstall()
+
+
+def _serve(node: PolicyNode, argv: list[str], sigint: GracefulSigint) -> int:
+    """Checks the parameter files, autostarts, spins; destroys the node in every case."""
+    starting = False        # inside autostart's configure + activate
+    try:
+        file_errors = unmatched_parameter_files(argv, node.get_name())
+        for error in file_errors:
+            node.get_logger().fatal(error)
+        if file_errors:
+            return EXIT_FAILURE
+        # One thread for every callback: they only store messages (the worker thread runs
+        # inference). rclpy's MultiThreadedExecutor under 240 camera frames/s creates task
+        # and future objects per callback (a garbage collection every few ms) and holds the
+        # GIL the worker needs between CUDA calls: inference p99 and publish jitter grow
+        # several-fold.
+        executor = SingleThreadedExecutor()
+        executor.add_node(node)
+        if node.get_parameter('autostart').value:
+            starting = True
+            started = node.autostart()
+            starting = False
+            if not started and rclpy.ok():
+                node.get_logger().fatal('autostart failed (see the error above); exiting')
+                return EXIT_FAILURE
+            if not started:     # SIGINT / SIGTERM while starting: the context is shut down
+                print_log(node.get_name(), 'INFO', INTERRUPTED_STARTING)
+                return EXIT_OK
+        else:
+            name = node.get_fully_qualified_name()
+            node.get_logger().info(
+                f'autostart is off: waiting unconfigured for lifecycle transitions on '
+                f'{name}/change_state (e.g. `ros2 lifecycle set {name} configure`, then '
+                'activate)')
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException) as stop:
+        if starting:
+            print_log(node.get_name(), 'INFO', INTERRUPTED_STARTING)
+        if isinstance(stop, KeyboardInterrupt) and sigint.forced:
+            return EXIT_INTERRUPTED
+    except Exception:   # noqa: BLE001
+        if rclpy.ok():  # a real error; after Ctrl-C, calls on the shut-down context fail
+            raise
+    finally:
+        chunks = node.chunks_published_total
+        message = f"shutting down after {chunks} chunk{'' if chunks == 1 else 's'}"
+        if rclpy.ok():
+            node.get_logger().info(message)
+        else:           # after Ctrl-C the context is gone: /rosout cannot take it
+            print_log(node.get_name(), 'INFO', message)
+        node.destroy_node()
+    return EXIT_OK
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""The policy node's parameters: the table (defaults and descriptors) and the checks that
+turn what rclpy refuses, and what it would silently ignore, into one clear error each.
+
+`PARAMETERS` maps each name to (default, `rcl_interfaces/ParameterDescriptor`): the
+description, type, range or allowed values that `ros2 param describe` shows. A value rclpy
+refuses at declaration (wrong type, out of range) becomes a `ParameterError` naming the
+parameter, the value given and what is expected; a parameter given but not declared (a
+misspelled name) and a parameter file without a section for the node are errors too, since
+either would otherwise leave the node running on its defaults.
+"""
+from __future__ import annotations
+
+import difflib
+
+import numpy as np
+
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                ParameterType)
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+
+from molmobot_policy.timing import ChunkStitcher
+
+DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
+DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
+CAMERA_QOS = ('sensor_data', 'reliable')
+
+
+def _descriptor(description: str, type_: int, read_only: bool = True,
+                float_range: tuple[float, float] | None = None,
+                int_range: tuple[int, int] | None = None,
+                constraints: str = '', dynamic: bool = False) -> ParameterDescriptor:
+    """dynamic: leave the parameter's type open (on_configure converts the value) where rclpy
+    would otherwise refuse what a user writes: a list whose default is empty (rclpy infers
+    BYTE_ARRAY from [] and then refuses `buckets: [448, 512]`), or a string whose values
+    include on / off (YAML and `-p name:=on` read those as booleans)."""
+    descriptor = ParameterDescriptor(description=description, type=type_, read_only=read_only,
+                                     additional_constraints=constraints, dynamic_typing=dynamic)
+    if float_range is not None:
+        descriptor.floating_point_range = [
+            FloatingPointRange(from_value=float_range[0], to_value=float_range[1])]
+    if int_range is not None:
+        descriptor.integer_range = [IntegerRange(from_value=int_range[0], to_value=int_range[1])]
+    return descriptor
+
+
+_S, _SA = ParameterType.PARAMETER_STRING, ParameterType.PARAMETER_STRING_ARRAY
+_D, _B = ParameterType.PARAMETER_DOUBLE, ParameterType.PARAMETER_BOOL
+_I, _IA = ParameterType.PARAMETER_INTEGER, ParameterType.PARAMETER_INTEGER_ARRAY
+_DA = ParameterType.PARAMETER_DOUBLE_ARRAY
+
+
+# name: (default, descriptor). read_only where a change after configure/activate is unsafe.
+PARAMETERS = {
+    'autostart': (True, _descriptor('run configure + activate at start-up', _B)),
+    'camera_topics': (DEFAULT_CAMERAS, _descriptor(
+        'sensor_msgs/Image topics in model image order (camera k -> "Image k+1"); at most the '
+        "model's max_images", _SA)),
+    'camera_qos': ('sensor_data', _descriptor(
+        'QoS of the camera subscriptions', _S, constraints="'sensor_data' (best effort, keep "
+        "last 5) or 'reliable' (reliable, keep last 1)")),
+    'joint_state_topic': ('/joint_states', _descriptor('sensor_msgs/JointState topic', _S)),
+    'joint_names': (DEFAULT_JOINTS, _descriptor(
+        'joints making up the state vector, in order (matched by name)', _SA)),
+    'action_joint_names': (DEFAULT_JOINTS, _descriptor(
+        'JointTrajectory joint_names; action dim k drives joint k', _SA)),
+    'instruction': ('', _descriptor('task text given to the model; may change at run time',
+                                    _S, read_only=False)),
+    'control_period': (0.1, _descriptor(
+        'seconds between consecutive actions of a chunk', _D, float_range=(0.001, 10.0))),
+    'chunk_period': (1.0, _descriptor(
+        'seconds between published chunks (the policy period)', _D,
+        float_range=(0.01, 60.0))),
+    'smoothing': ('none', _descriptor(
+        'joining a new chunk to the previous one (timing.ChunkStitcher)', _S,
+        constraints="'none' or 'linear' (cross-fade over the overlap)")),
+    'max_step': ([], _descriptor(
+        'largest change per joint between consecutive points, robot units (rad); empty: no '
+        'limit, one value: all joints, else one per action joint', _DA, dynamic=True)),
+    'max_image_age': (0.5, _descriptor(
+        'seconds; a camera whose newest header stamp is older is stale and the tick skipped',
+        _D, read_only=False, float_range=(0.0, 3600.0))),
+    'max_state_age': (0.5, _descriptor(
+        'seconds; same for the joint state', _D, read_only=False, float_range=(0.0, 3600.0))),
+    'model': ('tiny', _descriptor('model preset, used when checkpoint_path is empty', _S)),
+    'checkpoint_path': ('', _descriptor('upstream checkpoint directory (empty: random init)',
+                                        _S)),
+    'tokenizer_path': ('', _descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
+                                       _S)),
+    'tokenizer': ('auto', _descriptor(
+        'which tokenizer serves the model', _S, constraints="'auto' (tokenizer_path or the "
+        'tokenizer.json beside the checkpoint; the built-in tiny one for tiny-vocabulary models '
+        "and random weights), 'tiny' or 'file'")),
+    'norm_stats_key': ('', _descriptor(
+        "dataset key of the checkpoint's normalization stats (stats_by_repo), e.g. "
+        "'synthmanip'; empty: the checkpoint's default_repo_id", _S)),
+    'gripper_index': (-1, _descriptor(
+        'action dimension binarized as the gripper command (-1: off)', _I,
+        int_range=(-1, 1023))),
+    'gripper_threshold': (0.0, _descriptor(
+        'robot units; gripper action >= threshold -> gripper_closed, else gripper_open', _D)),
+    'gripper_open': (0.0, _descriptor('command written for an open gripper, robot units', _D)),
+    'gripper_closed': (1.0, _descriptor('command written for a closed gripper, robot units',
+                                        _D)),
+    'device': ('cpu', _descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
+    'dtype': ('float32', _descriptor('serving dtype of the weights', _S,
+                                     constraints="'float32', 'bfloat16' or 'float16'")),
+    'seed': (0, _descriptor('seed of random weights and flow noise', _I,
+                            int_range=(0, 2**31 - 1))),
+    'flow_steps': (0, _descriptor("Euler flow steps (0: the model config's)", _I,
+                                  int_range=(0, 1000))),
+    'compile': (False, _descriptor('torch.compile the query', _B)),
+    'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
+    'quantize': ('none', _descriptor('LLM Linear quantization', _S,
+                                     constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
+    'overlong': ('error', _descriptor(
+        'a prompt longer than the largest bucket', _S,
+        constraints="'error' (refuse the observation) or 'truncate' (cut words from the end "
+                    "of the instruction)")),
+    'vit_fp32_attention': (False, _descriptor(
+        "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
+        'ViT on an H200)', _B)),
+    'fused_action_expert': ('auto', _descriptor(
+        "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
+        'float16)', _S,
+        constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / "
+                    "true (required: configure fails where it cannot serve), 'off' / false",
+        dynamic=True)),
+    'buckets': ([], _descriptor(
+        'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
+    'output_topic': ('~/joint_trajectory', _descriptor(
+        'trajectory_msgs/JointTrajectory output topic', _S)),
+    'publish_float_array': (False, _descriptor(
+        'also publish std_msgs/Float32MultiArray (layout: action x joint) on ~/actions', _B)),
+    'gc_freeze': (True, _descriptor(
+        'after configure, move the start-up heap (model, compiled code) out of the garbage '
+        "collector's reach (gc.freeze): full collections then take ms, not hundreds of ms",
+        _B)),
+    'debug_timing': (False, _descriptor(
+        "per-chunk delay clues on ~/chunk_info (wake_late_ms, runqueue_wait_ms, "
+        'publish_call_ms: where a late publish spent its time; reads /proc per chunk)', _B)),
+    'diagnostics_period': (1.0, _descriptor('seconds between /diagnostics messages', _D,
+                                            float_range=(0.05, 60.0))),
+    'diag_min_camera_rate': (1.0, _descriptor(
+        'Hz; a camera or joint state below this rate is WARN', _D, read_only=False,
+        float_range=(0.0, 1000.0))),
+    'diag_inference_warn_ms': (500.0, _descriptor(
+        'ms; inference p99 above this is WARN', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_inference_error_ms': (1000.0, _descriptor(
+        'ms; inference p99 above this is ERROR', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_jitter_warn_ms': (10.0, _descriptor(
+        'ms; publish jitter p99 above this is WARN', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+    'diag_jitter_error_ms': (50.0, _descriptor(
+        'ms; publish jitter p99 above this is ERROR', _D, read_only=False,
+        float_range=(0.0, 1e6))),
+}
+
+ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
+                     'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
+                     'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
+                     'fused_action_expert', 'instruction', 'gripper_index',
+                     'gripper_threshold', 'gripper_open', 'gripper_closed')
+
+
+
+class ParameterError(ValueError):
+    """A parameter value the node cannot use.
+
+    Attributes:
+        name: the parameter. value: the value given. expected: what the node accepts
+            (the allowed range or values, with a hint how to write it).
+    """
+
+    def __init__(self, name: str, value, expected: str) -> None:
+        super().__init__(f"parameter '{name}': {value!r} {expected}")
+        self.name, self.value, self.expected = name, value, expected
+
+
+def given_parameters(node) -> dict:
+    """{name: rclpy Parameter} given to `node` (--params-file, -p, parameter_overrides).
+    rclpy keeps them in Node._parameter_overrides only; no public accessor exists."""
+    return dict(getattr(node, '_parameter_overrides', {}))
+
+
+def declare_parameters(node) -> None:
+    """Declare every PARAMETERS entry on `node`.
+
+    Raises:
+        ParameterError: a given value has the wrong type or is out of range.
+    """
+    for name, (default, descriptor) in PARAMETERS.items():
+        try:
+            node.declare_parameter(name, default, descriptor)
+        except (InvalidParameterTypeException, InvalidParameterValueException) as error:
+            given = given_parameters(node).get(name)
+            value = given.value if given is not None else '?'
+            if isinstance(error, InvalidParameterValueException):
+                raise ParameterError(name, value, f'is out of range ({descriptor.description}'
+                                                  f'; {_range_text(descriptor)})') from None
+            raise ParameterError(name, value, _type_expectation(default, value, descriptor)
+                                 + f'): {error}') from None
+
+
+def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:
+    """'is not a valid <type> (<description>; <constraints, hints, range>' for `value`."""
+    text = f'is not a valid {type(default).__name__} ({descriptor.description}'
+    if descriptor.additional_constraints:
+        text += f'; {descriptor.additional_constraints}'
+    if isinstance(default, float):
+        text += _float_hint(value, default)
+    if descriptor.floating_point_range or descriptor.integer_range:
+        text += f'; {_range_text(descriptor)}'
+    if isinstance(default, str) and isinstance(value, bool):
+        text += ('; YAML reads unquoted on/off/yes/no/true/false as booleans: write one of '
+                 'the values listed')
+    return text
+
+
+def check_unknown_parameters(node) -> None:
+    """Raises ValueError naming every parameter given to `node` (e.g. in --params-file)
+    that PARAMETERS does not declare, with the closest declared name: a misspelled
+    `checkpont_path` must not silently serve random weights."""
+    unknown = sorted(n for n in given_parameters(node)
+                     if not node.has_parameter(n) and not n.startswith('qos_overrides.'))
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
+            hints.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
+        raise ValueError(f"unknown parameter(s) for node '{node.get_name()}': "
+                         f"{', '.join(hints)}; see `ros2 param describe` or "
+                         f'molmobot_policy/ros/parameters.py PARAMETERS')
+
+
+def bucket_lengths(value) -> tuple[int, ...]:
+    """The `buckets` parameter as prompt lengths (tokens): a list of integers, or no
+    padding from an empty list or the string 'none' (any case; a YAML file cannot write an
+    empty list rcl can type). Raises ValueError naming the parameter otherwise."""
+    if isinstance(value, str) and value.strip().lower() in ('', 'none'):
+        return ()
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(b, int) and not isinstance(b, bool) for b in value):
+        return tuple(value)
+    raise ParameterError('buckets', value, 'is not a list of prompt lengths in tokens (e.g. '
+                                           '[1664, 1856]) nor none (no padding)')
+
+
+def check_parameter_values(parameter) -> None:
+    """The checks a descriptor cannot express; `parameter(name)` -> its value.
+
+    Raises:
+        ParameterError: camera_topics, joint_names or action_joint_names empty; camera_qos
+            not one of CAMERA_QOS; max_step with other than 0, 1 or one value per action
+            joint.
+    """
+    for name in ('camera_topics', 'joint_names', 'action_joint_names'):
+        if not list(parameter(name)):
+            raise ParameterError(name, list(parameter(name)), 'is empty; list at least one')
+    if parameter('camera_qos') not in CAMERA_QOS:
+        raise ParameterError('camera_qos', parameter('camera_qos'),
+                             f'is not one of {list(CAMERA_QOS)}')
+    joints, max_step = len(parameter('action_joint_names')), list(parameter('max_step'))
+    if len(max_step) not in (0, 1, joints):
+        raise ParameterError('max_step', max_step, f'has {len(max_step)} values; expected 0, '
+                                                   f'1 or {joints} (one per action joint)')
+
+
+def chunk_stitcher(parameter) -> ChunkStitcher:
+    """The `ChunkStitcher` of control_period, smoothing and max_step (one value: every
+    action joint); `parameter(name)` -> its value. Raises ValueError on a bad value."""
+    max_step = list(parameter('max_step'))
+    if len(max_step) == 1:
+        max_step = max_step * len(parameter('action_joint_names'))
+    return ChunkStitcher(parameter('control_period'), smoothing=parameter('smoothing'),
+                         max_step=np.array(max_step) if max_step else None)
+
+
+def unmatched_parameter_files(argv: list[str], node_name: str) -> list[str]:
+    """Errors for `--params-file` files (in `argv`) with no section for `node_name`.
+
+    ROS applies a parameter file section only to the node it names (`molmobot_policy:`,
+    `/molmobot_policy:`, `/ns/molmobot_policy:`, or wildcards such as `/**:`); a misspelled
+    section is ignored without a word and the node would run on its defaults. Returns one
+    message per such file, naming its sections and the closest to `node_name`; files that
+    cannot be read are left to ROS to report.
+    """
+    import yaml
+    errors = []
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == '--params-file']
+    for path in paths:
+        try:
+            with open(path) as f:
+                sections = list((yaml.safe_load(f) or {}).keys())
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        names = [str(k).rstrip('/').split('/')[-1] for k in sections]
+        if any('*' in str(k) for k in sections) or node_name in names:
+            continue
+        close = difflib.get_close_matches(node_name, names, n=1)
+        errors.append(f"parameter file {path} has no section for node '{node_name}' (its "
+                      f'sections: {sections}' + (f"; did you mean '{node_name}' for "
+                                                  f"'{close[0]}'?" if close else '')
+                      + '): none of its parameters would apply')
+    return errors
+
+
+def _float_hint(value, default: float) -> str:
+    """How to write a float parameter that came as another type (the example is the
+    default, always in range)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return f'; write a number, e.g. {default!r} (the default)'
+        return f'; a quoted number is a string: write {value} without quotes'
+    return f'; write floats with a decimal point, e.g. {default!r} (the default)'
+
+
+def _range_text(descriptor: ParameterDescriptor) -> str:
+    """'allowed: min to max' from a descriptor's floating-point or integer range."""
+    ranges = list(descriptor.floating_point_range) or list(descriptor.integer_range)
+    if not ranges:
+        return descriptor.additional_constraints or 'see the parameter description'
+    return f'allowed: {ranges[0].from_value} to {ranges[0].to_value}'

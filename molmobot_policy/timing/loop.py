@@ -1,0 +1,366 @@
+"""The policy's worker loop on an injected clock: tick, observe, predict, stitch, publish.
+
+Timing model (DESIGN.md, "Timing model"): ticks come from a `DeadlineScheduler` with the
+deadlines `t0 + k * chunk_period` (seconds, the injected clock: ROS time, so sim time
+works). Inference for a tick starts `lead` seconds before its deadline, the lead being the
+measured p99 latency times a margin (`LatencyEstimator`), capped at MAX_LEAD_FRACTION of the
+period. The worker takes the newest observation (`observe`), refuses one not newer than the
+last used (`ObservationGate`), runs `predict`, drops the actions already in the past at
+publish time and joins the chunk to the previous one (`ChunkStitcher`), lets `publish`
+build its messages, waits for the deadline and sends them: only the send runs after the
+wake-up. Action k of a chunk executes at `observation.stamp + k * control_period`.
+
+Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
+after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
+before the target and the worker then polls the clock, yielding the GIL (`time.sleep(0)`)
+between reads, so the wake-up is not late by a timed wait's slack.
+
+Clock jumps: every clock read is compared with the previous one. A clock that went back
+(sim time restarted, the system clock set back) ends a wait at once, also the wait for a
+deadline: the chunk built for the old time base is dropped, never published, and the
+schedule, the stitcher and the observation gate restart from the new time.
+
+Delay clues (`debug_timing`): how late the last timed wait before the deadline returned,
+the worker's run-queue wait from before that wait to after the publish (Linux schedstat,
+`runqueue_wait_s`: the operating system's share of a delay; the rest is the GIL or a lock)
+and the publish call's length, per chunk in `ChunkReport.delay`. Off: none of it is read.
+
+No rclpy: clock, observe, predict, publish, the event sink and the stop event are injected
+through the constructor, so tests drive the loop on a fake clock.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
+from molmobot_policy.timing.latency import LatencyEstimator
+from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
+from molmobot_policy.timing.stats import RollingStats, runqueue_wait_s
+from molmobot_policy.types import ActionChunk, Observation
+
+POLL_S = 0.05               # longest single wait (stop, sim time and clock jump checks)
+BUSY_WAIT_S = 0.001         # system clock: poll (yielding) this long before a target;
+                            # covers the ~0.1 ms oversleep of timed waits on Linux
+MAX_LEAD_FRACTION = 0.9     # lead <= this * chunk_period: one latency spike (a stalled
+                            # machine) must not push the lead past the period (then at most
+                            # every other tick runs) or past the chunk's span (then every
+                            # action is in the past at publish time) for a whole window of
+                            # latency samples; the rest of the period is left for the
+                            # publish bookkeeping before the next tick starts
+STATS_WINDOW = 200          # samples kept for p50/p99/max
+
+
+class Wait(enum.Enum):
+    """How `PolicyLoop.wait_until` ended."""
+    REACHED = 'reached'             # the clock reads >= the target
+    STOPPED = 'stopped'             # `stop()` was called
+    CLOCK_JUMPED = 'clock jumped'   # the clock went back: the target is in the old time base
+
+
+@dataclass(frozen=True)
+class DelayClues:
+    """Where a publish's delay went (debug_timing), seconds; None where not measured.
+
+    Attributes:
+        wake_late: how late the last timed wait before the deadline returned (None: no timed
+            wait, i.e. inference ran into the polling tail, or sim time).
+        runqueue_wait: the worker thread runnable without a CPU from before that wait to after
+            the publish (None: no timed wait, or no schedstat on this system).
+        publish_call: how long the send took.
+    """
+
+    wake_late: Optional[float]
+    runqueue_wait: Optional[float]
+    publish_call: float
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """One published chunk.
+
+    Attributes:
+        tick: the tick's index on the schedule.
+        observation_seq, observation_stamp: `Observation.seq` / `.stamp` (s) of its input.
+        observation_age_ms: publish time - observation stamp, ms.
+        inference_ms: `ActionChunk.inference_ms` of the chunk.
+        publish_jitter_ms: publish time - the tick's deadline, ms.
+        positions: float64 (K, A), the published points, robot units.
+        dropped: actions dropped from the front (in the past at publish time).
+        count: chunks this loop has published, this one included.
+        delay: the delay clues with debug_timing, else None.
+    """
+
+    tick: int
+    observation_seq: int
+    observation_stamp: float
+    observation_age_ms: float
+    inference_ms: float
+    publish_jitter_ms: float
+    positions: np.ndarray
+    dropped: int
+    count: int
+    delay: Optional[DelayClues] = None
+
+
+class LoopEvents:
+    """What the loop reports, on its thread; these defaults ignore it (subclass to log)."""
+
+    def skipped(self, tick: int, reason: str) -> None:
+        """Tick `tick` published nothing, for `reason` (names the input or parameter)."""
+
+    def failed(self, tick: int, error: Exception) -> None:
+        """Tick `tick` raised `error` (observe/predict/publish bug); the loop goes on."""
+
+    def clock_jumped(self, seconds: float) -> None:
+        """The clock went back by `seconds`; the schedule restarts from the new time."""
+
+    def published(self, report: ChunkReport) -> None:
+        """A chunk was sent."""
+
+
+class LoopStats:
+    """Counters and rolling statistics of one loop (read by diagnostics on other threads).
+
+    Attributes:
+        inference_ms, jitter_ms, age_ms: `RollingStats` of inference time, publish jitter and
+            sensor-to-publish age, ms.
+        chunks_published, dropped_actions, skipped_ticks, failed_ticks: counts.
+        deadline_misses: ticks skipped because their start time had passed, plus chunks
+            published more than half a control period after their deadline.
+        last_skip: the latest reason a tick published nothing ('' when none; the schedule
+            diagnostic clears it after reporting it).
+    """
+
+    def __init__(self, window: int = STATS_WINDOW) -> None:
+        self.inference_ms = RollingStats(window)
+        self.jitter_ms = RollingStats(window)
+        self.age_ms = RollingStats(window)
+        self.chunks_published = 0
+        self.deadline_misses = 0
+        self.dropped_actions = 0
+        self.skipped_ticks = 0
+        self.failed_ticks = 0
+        self.last_skip = ''
+
+    def count_missed(self, miss: MissedTicks) -> None:
+        """`DeadlineScheduler` on_miss callback."""
+        self.deadline_misses += miss.count
+
+
+class PolicyLoop:
+    """The worker loop (see the module docstring). Not thread-safe: one thread runs it.
+
+    Args:
+        clock: () -> float, seconds; the time the schedule runs on (ROS time).
+        observe: now (s) -> `types.Observation`, or anything else, whose str() says why no
+            observation can be used (e.g. `ros.synchronizer.Skip`).
+        predict: Observation -> `types.ActionChunk`; a ValueError refuses the observation
+            (the tick is skipped with its message), any other error fails the tick.
+        publish: StitchedChunk -> send, a () -> None callable: builds the messages of a chunk
+            (before the deadline) and returns the call that sends them (at the deadline).
+        stitcher: the `ChunkStitcher` (its control_period is the actions' spacing).
+        chunk_period: seconds between ticks (> 0).
+        joints: the first `joints` action dims are published (action dim k -> joint k).
+        events: a `LoopEvents`; default: ignore.
+        sim_time: () -> bool; True while the clock follows /clock (no polling tail, no
+            delay clues).
+        debug_timing: measure `DelayClues` per chunk.
+        stop_event: the event `stop()` sets and the waits block on (`threading.Event`
+            interface: set, is_set, wait(timeout) -> bool); default a new Event.
+        timer: () -> float, seconds; wall clock timing `predict` for the lead.
+        runqueue_wait: () -> float | None, the thread's run-queue wait so far, s.
+    Raises:
+        ValueError: chunk_period not > 0.
+    """
+
+    def __init__(self, clock: Callable[[], float],
+                 observe: Callable[[float], object],
+                 predict: Callable[[Observation], ActionChunk],
+                 publish: Callable[[StitchedChunk], Callable[[], None]],
+                 stitcher: ChunkStitcher, chunk_period: float, joints: int,
+                 events: Optional[LoopEvents] = None,
+                 sim_time: Callable[[], bool] = lambda: False, debug_timing: bool = False,
+                 stop_event=None, timer: Callable[[], float] = time.perf_counter,
+                 runqueue_wait: Callable[[], Optional[float]] = runqueue_wait_s) -> None:
+        if not chunk_period > 0.0:
+            raise ValueError(f'chunk_period must be > 0 seconds, got {chunk_period!r}')
+        self._clock, self._observe, self._predict = clock, observe, predict
+        self._publish, self._stitcher = publish, stitcher
+        self._period, self._joints = float(chunk_period), int(joints)
+        self._events = events or LoopEvents()
+        self._sim_time, self._debug = sim_time, bool(debug_timing)
+        self._stop = stop_event if stop_event is not None else threading.Event()
+        self._timer, self._runqueue_wait = timer, runqueue_wait
+        self.stats = LoopStats()
+        self._latency = LatencyEstimator(initial=min(0.5 * chunk_period, 1.0),
+                                         max_lead=MAX_LEAD_FRACTION * chunk_period)
+        self._gate = ObservationGate()
+        self.scheduler: Optional[DeadlineScheduler] = None     # once the clock runs
+        self._last_now = -np.inf
+        self._jumped: Optional[float] = None     # s the clock went back, until restarted
+        self.wake_late: Optional[float] = None   # s, the last timed wait's lateness
+        self.runqueue_mark: Optional[float] = None   # s, run-queue wait before that wait
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ thread
+    def start(self, name: str = 'policy_worker') -> None:
+        """Runs `run` in a new daemon thread."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends `run` at its next check (a wait returns at once) and joins its thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ clock
+    def _now(self) -> float:
+        """The clock, noting a jump back (kept until the schedule restarts)."""
+        now = self._clock()
+        if now < self._last_now:
+            self._jumped = (self._jumped or 0.0) + (self._last_now - now)
+        self._last_now = now
+        return now
+
+    def wait_until(self, t: float) -> Wait:
+        """Block until the clock reads >= t (s), `stop()` is called or the clock jumps back.
+
+        Sets `wake_late` (s the last timed wait returned after its aim) and `runqueue_mark`
+        (the thread's run-queue wait before the last timed wait before t) with debug_timing
+        on the system clock; both None otherwise, or without a timed wait.
+        """
+        sim = self._sim_time()
+        tail = 0.0 if sim else BUSY_WAIT_S
+        measure = self._debug and not sim
+        self.wake_late = self.runqueue_mark = None
+        aim = None
+        while not self._stop.is_set():
+            now = self._now()
+            if self._jumped is not None:
+                return Wait.CLOCK_JUMPED
+            if aim is not None and measure:
+                self.wake_late = now - aim
+            aim = None
+            remaining = t - now
+            if remaining <= 0.0:
+                return Wait.REACHED
+            if remaining > tail:
+                timeout = min(remaining - tail, POLL_S)
+                if measure and timeout == remaining - tail:    # the last wait before t
+                    self.runqueue_mark = self._runqueue_wait()
+                if self._stop.wait(timeout):
+                    break
+                aim = now + timeout
+            else:
+                time.sleep(0)
+        return Wait.STOPPED
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        """Ticks until `stop()`. Never raises for a bad tick: each failure is counted and
+        reported (`LoopEvents.failed`) and the next tick runs."""
+        while self._now() <= 0.0:       # sim time before the first /clock message
+            if self._stop.wait(POLL_S):
+                return
+        self._restart(self._now())
+        while not self._stop.is_set():
+            now = self._now()
+            if self._jumped is not None:
+                self._restart(now)
+                continue
+            self.scheduler.set_lead(self._latency.lead())
+            tick = self.scheduler.next_tick(now)
+            waited = self.wait_until(tick.start_at)
+            if waited is Wait.STOPPED:
+                return
+            if waited is Wait.CLOCK_JUMPED:
+                continue
+            try:
+                self._tick(tick)
+            except Exception as error:  # noqa: BLE001 - bad input never stops the worker
+                self.stats.failed_ticks += 1
+                self._events.failed(tick.index, error)
+
+    def _restart(self, now: float) -> None:
+        """(Re)start the schedule one period after `now`, forgetting the previous chunk
+        and observation (their times are in the old time base after a jump back)."""
+        if self._jumped is not None:
+            self._events.clock_jumped(self._jumped)
+            self._jumped = None
+        self._last_now = now
+        if self.scheduler is None:
+            self.scheduler = DeadlineScheduler(self._period, t0=now + self._period,
+                                               on_miss=self.stats.count_missed)
+        else:
+            self.scheduler.reset(now + self._period)
+        self._stitcher.reset()
+        self._gate.reset()
+
+    def _skip(self, tick: Tick, reason: str, counted: bool = True) -> None:
+        if counted:
+            self.stats.skipped_ticks += 1
+        self.stats.last_skip = reason
+        self._events.skipped(tick.index, reason)
+
+    def _tick(self, tick: Tick) -> None:
+        observation = self._observe(self._now())
+        if isinstance(observation, Observation) and \
+                not self._gate.accept_observation(observation):
+            observation = 'observation is not newer than the last one used'
+        if not isinstance(observation, Observation):
+            return self._skip(tick, str(observation))
+        started = self._timer()
+        try:
+            chunk = self._predict(observation)
+        except ValueError as error:
+            return self._skip(tick, f'engine refused observation: {error}')
+        self._latency.record(self._timer() - started)
+        self.stats.inference_ms.add(chunk.inference_ms)
+        # actions before the publish time are dropped; the publish time is the deadline
+        # unless inference overran it
+        publish_at = max(self._now(), tick.deadline)
+        actions = np.asarray(chunk.actions, dtype=np.float64)[:, :self._joints]
+        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
+        self.stats.dropped_actions += stitched.dropped
+        if len(stitched) == 0:
+            return self._skip(tick, f'all {stitched.dropped} actions were in the past at '
+                                    'publish time', counted=False)
+        send = self._publish(stitched)
+        if self.wait_until(tick.deadline) is not Wait.REACHED:
+            return      # stopped, or the clock went back: never publish into the new time
+        wake_late, mark = self.wake_late, self.runqueue_mark
+        called = self._now() if self._debug else None
+        send()
+        published = self._now()
+        delay = None
+        if self._debug:
+            after = None if mark is None else self._runqueue_wait()
+            delay = DelayClues(wake_late, None if after is None else after - mark,
+                               published - called)
+        self._record(tick, observation, chunk, stitched, published, delay)
+
+    def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
+                stitched: StitchedChunk, published: float, delay: Optional[DelayClues]) -> None:
+        stats = self.stats
+        if published > tick.deadline + 0.5 * self._stitcher.control_period:
+            stats.deadline_misses += 1           # inference overran its lead
+        jitter_ms = (published - tick.deadline) * 1e3
+        age_ms = (published - observation.stamp) * 1e3
+        stats.jitter_ms.add(jitter_ms)
+        stats.age_ms.add(age_ms)
+        stats.chunks_published += 1
+        self._events.published(ChunkReport(
+            tick=tick.index, observation_seq=observation.seq,
+            observation_stamp=observation.stamp, observation_age_ms=age_ms,
+            inference_ms=chunk.inference_ms, publish_jitter_ms=jitter_ms,
+            positions=stitched.positions, dropped=stitched.dropped,
+            count=stats.chunks_published, delay=delay))

@@ -1,0 +1,379 @@
+"""timing.PolicyLoop, the node's worker, on a fake clock: every wait advances the clock by
+its timeout, so nothing here depends on how busy the machine is.
+
+The waits: the delay clues of debug_timing (how late the last timed wait returned, the
+run-queue mark before it), stop, and a clock that jumps back while waiting. The loop: each
+chunk built before and sent at its deadline, skips named, failures counted without stopping,
+deadline misses, waiting for sim time to start, and a restart after a clock jump back."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from molmobot_policy.timing import ChunkStitcher, LoopEvents, PolicyLoop, Wait
+from molmobot_policy.timing.loop import BUSY_WAIT_S, POLL_S
+from molmobot_policy.types import ActionChunk, Observation
+
+TICK = 1e-5             # every clock read advances the fake clock this much (s)
+PERIOD = 1.0            # chunk_period, s
+CONTROL_PERIOD = 0.1    # s between actions
+HORIZON = 16
+JOINTS = 2
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        self.t += TICK
+        return self.t
+
+
+class FakeEvent:
+    """The loop's stop event on the fake clock: a timed wait returns `late` s after its
+    timeout; `on_wait(k)` runs before the k-th wait (from 0)."""
+
+    def __init__(self, clock: FakeClock, late: float = 0.0, on_wait=None) -> None:
+        self.clock, self.late, self.on_wait = clock, late, on_wait
+        self.timeouts: list[float] = []
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def wait(self, timeout: float) -> bool:
+        if self.on_wait is not None:
+            self.on_wait(len(self.timeouts))
+        self.timeouts.append(timeout)
+        self.clock.t += timeout + self.late
+        return self._set
+
+
+class Recorder(LoopEvents):
+    """Keeps every event; stops the loop (through `event`) after `chunks` chunks."""
+
+    def __init__(self, event: FakeEvent, chunks: int) -> None:
+        self.event, self.chunks = event, chunks
+        self.skips, self.failures, self.jumps, self.reports = [], [], [], []
+
+    def skipped(self, tick, reason):
+        self.skips.append((tick, reason))
+        self._stop_after_ticks()
+
+    def failed(self, tick, error):
+        self.failures.append((tick, error))
+        self._stop_after_ticks()
+
+    def clock_jumped(self, seconds):
+        self.jumps.append(seconds)
+
+    def published(self, report):
+        self.reports.append(report)
+        self._stop_after_ticks()
+
+    def _stop_after_ticks(self):
+        if len(self.reports) + len(self.skips) + len(self.failures) >= self.chunks:
+            self.event.set()
+
+
+class Robot:
+    """observe / predict / publish of the loop: a fresh observation stamped 10 ms before
+    `now` at each tick, actions = seq, sends recorded with the clock's time."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.seq = itertools.count(1)
+        self.prepared: list[float] = []         # clock when publish() built the messages
+        self.sent: list[tuple[float, object]] = []   # (clock at send, StitchedChunk)
+        self.observations: list[Observation] = []
+
+    def observe(self, now: float):
+        observation = Observation(images=(), state=np.zeros(JOINTS, np.float32),
+                                  instruction='x', stamp=now - 0.01, seq=next(self.seq))
+        self.observations.append(observation)
+        return observation
+
+    def predict(self, observation: Observation) -> ActionChunk:
+        actions = np.full((HORIZON, JOINTS + 1), float(observation.seq), np.float32)
+        return ActionChunk(actions=actions, actions_normalized=actions,
+                           observation_stamp=observation.stamp,
+                           observation_seq=observation.seq, inference_ms=5.0)
+
+    def publish(self, chunk):
+        self.prepared.append(self.clock.t)
+        return lambda: self.sent.append((self.clock.t, chunk))
+
+
+def make_loop(clock, event, robot=None, events=None, **kwargs) -> PolicyLoop:
+    robot = robot or Robot(clock)
+    arguments = dict(clock=clock, observe=robot.observe, predict=robot.predict,
+                     publish=robot.publish, stitcher=ChunkStitcher(CONTROL_PERIOD),
+                     chunk_period=PERIOD, joints=JOINTS, events=events, stop_event=event,
+                     timer=clock)
+    return PolicyLoop(**{**arguments, **kwargs})
+
+
+def run(chunks: int, robot_changes=None, **kwargs):
+    """Runs a loop until `chunks` ticks ended (published, skipped or failed)."""
+    clock = FakeClock()
+    event = FakeEvent(clock, **kwargs.pop('event', {}))
+    robot = Robot(clock)
+    for name, function in (robot_changes or {}).items():
+        setattr(robot, name, function(robot))
+    recorder = Recorder(event, chunks)
+    loop = make_loop(clock, event, robot, recorder, **kwargs)
+    loop.run()
+    return loop, robot, recorder
+
+
+# ------------------------------------------------------------------ waits
+def test_a_late_timed_wait_is_measured_with_debug_timing():
+    clock = FakeClock()
+    loop = make_loop(clock, FakeEvent(clock, late=0.02), debug_timing=True)
+    assert loop.wait_until(clock() + 0.03) is Wait.REACHED
+    assert loop.wake_late == pytest.approx(0.02, abs=5 * TICK)
+
+
+def test_an_on_time_wait_is_not_late():
+    clock = FakeClock()
+    loop = make_loop(clock, FakeEvent(clock), debug_timing=True)
+    assert loop.wait_until(clock() + 0.03) is Wait.REACHED
+    assert loop.wake_late == pytest.approx(0.0, abs=5 * TICK)
+
+
+def test_only_the_last_wait_before_the_target_is_marked():
+    """A long wait runs in POLL_S slices; the run-queue mark is read before the last one
+    only, so the earlier wake-ups' waiting for a CPU (harmless) is not counted."""
+    clock = FakeClock()
+    reads = itertools.count(7)
+    marks = []
+    event = FakeEvent(clock, on_wait=lambda k: marks.append(loop.runqueue_mark))
+    loop = make_loop(clock, event, debug_timing=True, runqueue_wait=lambda: float(next(reads)))
+    assert loop.wait_until(clock() + 3.5 * POLL_S) is Wait.REACHED
+    assert event.timeouts[:3] == [POLL_S] * 3 and len(event.timeouts) == 4
+    assert marks == [None, None, None, 7.0]       # one read, before the last wait
+
+
+def test_without_a_timed_wait_nothing_is_measured():
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    loop = make_loop(clock, event, debug_timing=True, runqueue_wait=lambda: 1.0)
+    assert loop.wait_until(clock() - 1.0) is Wait.REACHED             # already passed
+    assert (loop.wake_late, loop.runqueue_mark) == (None, None)
+    assert loop.wait_until(clock() + 0.5 * BUSY_WAIT_S) is Wait.REACHED   # the polling tail
+    assert (loop.wake_late, loop.runqueue_mark) == (None, None)
+    assert event.timeouts == []
+
+
+def test_without_debug_timing_the_waits_measure_nothing():
+    clock = FakeClock()
+    loop = make_loop(clock, FakeEvent(clock, late=0.02),
+                     runqueue_wait=lambda: pytest.fail('schedstat read without debug_timing'))
+    assert loop.wait_until(clock() + 0.03) is Wait.REACHED
+    assert (loop.wake_late, loop.runqueue_mark) == (None, None)
+
+
+def test_on_sim_time_the_wait_ends_on_the_target_without_polling_or_clues():
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    loop = make_loop(clock, event, debug_timing=True, sim_time=lambda: True,
+                     runqueue_wait=lambda: pytest.fail('schedstat read on sim time'))
+    target = clock() + 0.03
+    assert loop.wait_until(target) is Wait.REACHED
+    assert sum(event.timeouts) == pytest.approx(0.03, abs=5 * TICK)   # no tail left to poll
+    assert loop.wake_late is None
+
+
+def test_a_stop_ends_the_wait():
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    loop = make_loop(clock, event, debug_timing=True)
+    event.set()
+    assert loop.wait_until(clock() + 1.0) is Wait.STOPPED
+    assert loop.wake_late is None
+
+
+def test_a_clock_jump_back_ends_the_wait_at_once():
+    """The clock goes back 5 s during the second slice: the wait ends after that slice
+    instead of waiting the 5 s again."""
+    clock = FakeClock()
+
+    def jump(k):
+        if k == 1:
+            clock.t -= 5.0
+    event = FakeEvent(clock, on_wait=jump)
+    loop = make_loop(clock, event)
+    assert loop.wait_until(clock() + 10 * POLL_S) is Wait.CLOCK_JUMPED
+    assert len(event.timeouts) == 2
+
+
+# ------------------------------------------------------------------ the loop
+def test_each_chunk_is_built_before_and_sent_at_its_deadline():
+    loop, robot, recorder = run(chunks=3)
+    assert [r.tick for r in recorder.reports] == [0, 1, 2]
+    for report, prepared, (sent, _) in zip(recorder.reports, robot.prepared, robot.sent):
+        deadline = loop.scheduler.deadline(report.tick)
+        assert prepared < deadline <= sent < deadline + 10 * TICK
+        assert report.publish_jitter_ms == pytest.approx((sent - deadline) * 1e3, abs=0.1)
+    deadlines = [loop.scheduler.deadline(r.tick) for r in recorder.reports]
+    assert np.allclose(np.diff(deadlines), PERIOD)
+
+
+def test_actions_execute_one_control_period_apart_from_the_observation_stamp():
+    loop, robot, recorder = run(chunks=2)
+    for report, (sent, chunk), observation in zip(recorder.reports, robot.sent,
+                                                  robot.observations):
+        expected = observation.stamp + CONTROL_PERIOD * (report.dropped + np.arange(len(chunk)))
+        assert np.allclose(chunk.times, expected)
+        assert chunk.times[0] >= sent - 10 * TICK and report.dropped == chunk.dropped
+        assert chunk.positions.shape == (HORIZON - chunk.dropped, JOINTS)   # first JOINTS dims
+        assert np.all(chunk.positions == observation.seq)
+        assert report.observation_seq == observation.seq
+
+
+def test_an_unusable_observation_skips_the_tick_with_its_reason():
+    loop, robot, recorder = run(chunks=2, robot_changes={
+        'observe': lambda robot: lambda now: 'camera /cam3 is stale'})
+    assert recorder.skips == [(0, 'camera /cam3 is stale'), (1, 'camera /cam3 is stale')]
+    assert loop.stats.skipped_ticks == 2 and loop.stats.last_skip == 'camera /cam3 is stale'
+    assert robot.sent == []
+
+
+def test_an_observation_not_newer_than_the_last_one_used_is_refused():
+    def same(robot):
+        observation = Observation(images=(), state=np.zeros(JOINTS, np.float32),
+                                  instruction='x', stamp=1000.4, seq=1)
+        return lambda now: observation
+    loop, robot, recorder = run(chunks=2, robot_changes={'observe': same})
+    assert len(robot.sent) == 1
+    assert recorder.skips == [(1, 'observation is not newer than the last one used')]
+
+
+def test_an_engine_refusal_skips_an_error_fails_and_the_loop_goes_on():
+    errors = iter([ValueError('prompt too long'), RuntimeError('bug')])
+
+    def predict(robot):
+        def call(observation):
+            error = next(errors, None)
+            if error is not None:
+                raise error
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=3, robot_changes={'predict': predict})
+    assert recorder.skips == [(0, 'engine refused observation: prompt too long')]
+    assert [(tick, str(error)) for tick, error in recorder.failures] == [(1, 'bug')]
+    assert (loop.stats.skipped_ticks, loop.stats.failed_ticks) == (1, 1)
+    assert [r.tick for r in recorder.reports] == [2]
+
+
+def test_a_chunk_whose_actions_are_all_past_is_not_sent():
+    def slow(robot):
+        def call(observation):
+            robot.clock.t += HORIZON * CONTROL_PERIOD + 0.1      # past the chunk's span
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=1, robot_changes={'predict': slow})
+    assert robot.sent == [] and loop.stats.dropped_actions == HORIZON
+    assert 'in the past at publish time' in recorder.skips[0][1]
+    assert loop.stats.skipped_ticks == 0           # counted as dropped actions
+
+
+def test_a_chunk_published_late_is_a_deadline_miss():
+    def late(robot):
+        def call(observation):
+            robot.clock.t += loop_lead[0] + 0.8 * CONTROL_PERIOD    # past deadline + period/2
+            return Robot.predict(robot, observation)
+        return call
+    loop_lead = [PERIOD * 0.5]      # the loop's initial lead: min(0.5 * period, 1 s)
+    loop, robot, recorder = run(chunks=1, robot_changes={'predict': late})
+    assert loop.stats.deadline_misses == 1 and len(robot.sent) == 1
+    assert recorder.reports[0].publish_jitter_ms == pytest.approx(80.0, abs=1.0)
+
+
+def test_ticks_whose_start_passed_are_missed_not_made_up():
+    calls = itertools.count()
+
+    def once_slow(robot):
+        def call(observation):
+            if next(calls) == 0:
+                robot.clock.t += 2.6 * PERIOD
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=2, robot_changes={'predict': once_slow})
+    ticks = [tick for tick, _ in recorder.skips] + [r.tick for r in recorder.reports]
+    assert ticks[-1] - ticks[0] == 3        # ticks 1 and 2 never ran
+    assert loop.stats.deadline_misses == 2
+
+
+def test_the_loop_waits_for_the_clock_to_start():
+    """Sim time reads 0 until the first /clock message."""
+    clock = FakeClock(t=0.0)
+    zeros = iter(range(5))
+
+    def sim_clock():
+        return 0.0 if next(zeros, None) is not None else clock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    recorder = Recorder(event, chunks=1)
+    loop = make_loop(sim_clock, event, robot, recorder, sim_time=lambda: True)
+    loop.run()
+    assert event.timeouts[:4] == [POLL_S] * 4
+    assert len(robot.sent) == 1 and robot.observations[0].stamp > 0.0
+
+
+def test_a_clock_jump_back_while_waiting_for_the_deadline_drops_the_chunk_and_restarts():
+    """The chunk built for the old time base is never sent; the schedule, the stitcher
+    and the observation gate restart from the new time (an observation stamped before the
+    last one used is accepted)."""
+    clock = FakeClock()
+    jumped = []
+
+    def jump_once_while_waiting(k):
+        if robot.prepared and not jumped:       # waiting for the first chunk's deadline
+            clock.t -= 100.0
+            jumped.append(clock.t)
+    event = FakeEvent(clock, on_wait=jump_once_while_waiting)
+    robot = Robot(clock)
+    recorder = Recorder(event, chunks=1)
+    loop = make_loop(clock, event, robot, recorder)
+    loop.run()
+    assert len(robot.prepared) == 2 and len(robot.sent) == 1      # the first never sent
+    assert recorder.jumps == [pytest.approx(100.0, abs=1.0)]
+    sent, chunk = robot.sent[0]
+    assert jumped[0] < sent < jumped[0] + 2 * PERIOD              # in the new time base
+    assert robot.observations[1].stamp < robot.observations[0].stamp
+    assert recorder.reports[0].tick == 0                          # the schedule restarted
+
+
+def test_debug_timing_reports_the_delay_clues_and_is_off_by_default():
+    reads = itertools.count(0.5, 0.25)
+    loop, robot, recorder = run(chunks=1, debug_timing=True, event={'late': 0.004},
+                                runqueue_wait=lambda: next(reads))
+    delay = recorder.reports[0].delay
+    assert delay.wake_late == pytest.approx(0.004, abs=5 * TICK)
+    assert delay.runqueue_wait == pytest.approx(0.25)      # the read after the send - mark
+    assert delay.publish_call == pytest.approx(TICK)       # one clock read apart
+    loop, robot, recorder = run(chunks=1)
+    assert recorder.reports[0].delay is None
+
+
+def test_stop_ends_and_joins_the_worker_thread():
+    import threading
+    import time
+    robot = Robot(FakeClock())
+    loop = PolicyLoop(clock=time.monotonic, observe=lambda now: 'no input yet',
+                      predict=robot.predict, publish=robot.publish,
+                      stitcher=ChunkStitcher(CONTROL_PERIOD), chunk_period=0.05, joints=JOINTS)
+    loop.start(name='test_worker')
+    assert any(t.name == 'test_worker' for t in threading.enumerate())
+    loop.stop()
+    assert not any(t.name == 'test_worker' for t in threading.enumerate())

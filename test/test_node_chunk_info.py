@@ -1,0 +1,144 @@
+"""The node's wiring in this process (its own rclpy context, a stand-in engine, a peer node
+publishing two cameras and the joint state): ~/chunk_info per chunk, its delay clues only
+with debug_timing, and /diagnostics naming every input."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+from molmobot_policy.types import ActionChunk  # noqa: E402
+
+from _robot_inputs import publish_robot_inputs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+JOINTS = [f'joint_{k}' for k in range(7)]
+CAMERAS = ['/chunk_info_cam0', '/chunk_info_cam1']
+JOINT_STATES = '/chunk_info_joint_states'
+
+
+class _Engine:
+    """The tiny preset's contract; actions = the observation's seq."""
+
+    def __init__(self, config):
+        self.model_config = MolmoBotConfig.from_name('tiny')
+        self.mode = {'model': 'stand-in'}
+
+    def warmup(self, progress=None):
+        return 0.0
+
+    def check_instruction(self, instruction):
+        return 1
+
+    def close(self):
+        pass
+
+    def predict(self, observation):
+        actions = np.full((16, 8), float(observation.seq), np.float32)
+        return ActionChunk(actions=actions, actions_normalized=actions,
+                           observation_stamp=observation.stamp,
+                           observation_seq=observation.seq, inference_ms=1.0)
+
+
+class _Graph:
+    """A PolicyNode and a peer spinning in one executor thread; the peer records."""
+
+    def __init__(self, name: str, **parameters) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.policy = PolicyNode(engine_factory=_Engine, node_name=name, context=self.context,
+                                 parameter_overrides=[Parameter(k, value=v) for k, v in dict(
+                                     autostart=False, camera_topics=CAMERAS, joint_names=JOINTS,
+                                     action_joint_names=JOINTS, instruction='pick',
+                                     joint_state_topic=JOINT_STATES,
+                                     chunk_period=0.2, control_period=0.05,
+                                     diagnostics_period=0.2, gc_freeze=False,
+                                     **parameters).items()])
+        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
+        self.lock = threading.Lock()
+        self.infos, self.diagnostics = [], []
+        self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
+        self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
+        publish_robot_inputs(self.peer, CAMERAS, JOINT_STATES, JOINTS, period=0.05,
+                             height=4, width=4)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.policy)
+        self.executor.add_node(self.peer)
+        assert self.policy.autostart()
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _on_info(self, msg):
+        with self.lock:
+            self.infos.append({kv.key: kv.value for kv in msg.values})
+
+    def _on_diagnostics(self, msg):
+        with self.lock:
+            self.diagnostics.append(msg)
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.policy.destroy_node()
+        self.peer.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        self.thread.join(timeout=5.0)
+
+
+@pytest.fixture
+def graph():
+    graphs = []
+
+    def make(name, **parameters):
+        graphs.append(_Graph(name, **parameters))
+        return graphs[-1]
+    yield make
+    for g in graphs:
+        g.close()
+
+
+def test_chunk_info_without_debug_timing_has_no_delay_clues(graph):
+    g = graph('chunk_info_plain')
+    assert g.wait_for(lambda: len(g.infos) >= 2)
+    assert all(not set(ChunkInfo.DELAY) & set(info) for info in g.infos)
+    assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos)
+
+
+def test_chunk_info_with_debug_timing_has_the_delay_clues(graph):
+    g = graph('chunk_info_debug', debug_timing=True)
+    assert g.wait_for(lambda: len(g.infos) >= 2)
+    for info in g.infos:
+        assert set(ChunkInfo.DELAY) <= set(info)
+        assert math.isfinite(float(info[ChunkInfo.PUBLISH_CALL_MS]))    # always measured
+        if info[ChunkInfo.WAKE_LATE_MS] == '':        # no timed wait, so no run-queue mark
+            assert info[ChunkInfo.RUNQUEUE_WAIT_MS] == ''
+
+
+def test_diagnostics_name_every_input_the_inference_and_the_schedule(graph):
+    g = graph('chunk_info_diagnostics')
+    assert g.wait_for(lambda: any(len(a.status) == len(CAMERAS) + 3 for a in g.diagnostics))
+    with g.lock:
+        names = [s.name for s in g.diagnostics[-1].status]
+    assert names == ([f'chunk_info_diagnostics: camera {t}' for t in CAMERAS]
+                     + [f'chunk_info_diagnostics: joint state {JOINT_STATES}',
+                        'chunk_info_diagnostics: inference', 'chunk_info_diagnostics: schedule'])
