@@ -70,3 +70,42 @@ def image_to_rgb(msg, topic: str = '') -> np.ndarray:
     if channels == 1:
         pixels = pixels[:, :, 0]
     return cv2.cvtColor(np.ascontiguousarray(pixels), conversion)
+
+
+COMPRESSED_FORMATS = ('jpeg', 'png')
+
+
+def compressed_to_rgb(msg, topic: str = '') -> np.ndarray:
+    """Decode one sensor_msgs/CompressedImage (image_transport's `compressed` plugin) to RGB.
+
+    Args:
+        msg: an object with `format` (str) and `data` (bytes-like). `format` is 'jpeg' or
+            'png', or image_transport's long form '<encoding>; <jpeg|png> compressed
+            <encoding>' (e.g. 'rgb8; jpeg compressed bgr8'): the encoding after 'compressed'
+            says the channel order of the compressed pixels (bgr8 when absent, OpenCV's).
+        topic: the topic, used only in error messages.
+
+    Returns:
+        np.uint8 array (height, width, 3), RGB order, C-contiguous (grey images replicated).
+
+    Raises:
+        ValueError: a format other than jpeg / png (e.g. compressedDepth), empty data, or data
+            OpenCV cannot decode (corrupt or truncated); the message names the topic and format.
+    """
+    where = f'compressed image on {topic!r}' if topic else 'compressed image'
+    fmt = str(msg.format).strip()
+    kind, _, after = fmt.partition(' compressed ')
+    codec = kind.split(';')[-1].strip().lower()
+    if codec not in COMPRESSED_FORMATS or 'compresseddepth' in fmt.lower():
+        raise ValueError(f'{where}: unsupported format {fmt!r}; expected jpeg or png (image_'
+                         "transport 'compressed', e.g. 'rgb8; jpeg compressed bgr8')")
+    data = np.frombuffer(bytes(msg.data), dtype=np.uint8)
+    if data.size == 0:
+        raise ValueError(f'{where} ({fmt}): no data')
+    pixels = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    if pixels is None:
+        raise ValueError(f'{where} ({fmt}): {data.size} bytes could not be decoded as {codec} '
+                         '(corrupt or truncated)')
+    if after.strip().lower().startswith('rgb'):     # pixels were compressed in RGB order
+        return np.ascontiguousarray(pixels)
+    return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)

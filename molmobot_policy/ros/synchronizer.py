@@ -10,6 +10,7 @@ Times are plain float seconds in ROS time (header stamps, and `now` from the nod
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -76,19 +77,25 @@ class ObservationSynchronizer:
         joint_state_topic: used only to name the joint state in reasons and stats.
         decode: msg, topic -> uint8 (H, W, 3) RGB; raises ValueError on bad data.
         rate_window: receive times kept per topic for the rate estimate.
+        max_future: s (>= 0); a header stamp more than this ahead of the receive time (or of
+            `now` at build) is refused: the sender's clock is ahead of ours, and such a frame
+            would look fresh long after its camera stopped and block every later frame.
 
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
         last_build_decoded: of those, by the latest `build` (worker thread only).
 
     Raises:
-        ValueError: empty or duplicated camera topics or joint names.
+        ValueError: empty or duplicated camera topics or joint names, max_future < 0.
+
+    A refused input (future or unset stamp, non-finite joint positions, undecodable frame) is
+    never stored as the newest; `stats` names the problem for diagnostics.
     """
 
     def __init__(self, camera_topics: Sequence[str], joint_names: Sequence[str],
                  joint_state_topic: str = '/joint_states',
                  decode: Callable[[object, str], np.ndarray] = image_to_rgb,
-                 rate_window: int = 30) -> None:
+                 rate_window: int = 30, max_future: float = 0.05) -> None:
         self.camera_topics = tuple(camera_topics)
         self.joint_names = tuple(joint_names)
         self.joint_state_topic = joint_state_topic
@@ -100,6 +107,9 @@ class ObservationSynchronizer:
             raise ValueError('joint_names is empty; expected the joints of the state vector')
         if len(set(self.joint_names)) != len(self.joint_names):
             raise ValueError(f'joint_names has duplicates: {list(self.joint_names)}')
+        if not max_future >= 0.0:
+            raise ValueError(f'max_future must be >= 0 s, got {max_future!r}')
+        self.max_future = float(max_future)
         self._decode = decode
         self._lock = threading.Lock()
         self._frames: dict[str, _Frame] = {}
@@ -109,6 +119,7 @@ class ObservationSynchronizer:
         self._counts = dict.fromkeys(self._receive_times, 0)
         self._last_stamps: dict[str, float] = {}   # per input, stamps used by the last build
         self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
+        self._refused: dict[str, str] = {}         # per input, why its last message was not stored
         self._seq = 0
         self.frames_decoded = 0
         self.last_build_decoded = 0
@@ -123,7 +134,8 @@ class ObservationSynchronizer:
             stamp: its header stamp, s. received: receive time, s.
 
         Returns:
-            True if stored, False if dropped for being older than the stored frame.
+            True if stored, False if dropped: older than the stored frame, or refused for
+            its stamp (unset, or in the future: `stamp_problem`).
 
         Raises:
             KeyError: `topic` is not one of `camera_topics`.
@@ -131,8 +143,13 @@ class ObservationSynchronizer:
         if topic not in self._receive_times or topic == self.joint_state_topic:
             raise KeyError(f'unknown camera topic {topic!r}; expected one of '
                            f'{list(self.camera_topics)}')
+        problem = self.stamp_problem(stamp, received)
         with self._lock:
             self._note_receive(topic, received)
+            if problem:
+                self._refused[topic] = f'newest frame refused: {problem}'
+                return False
+            self._refused.pop(topic, None)
             current = self._frames.get(topic)
             if current is not None and stamp < current.stamp:
                 return False
@@ -158,16 +175,47 @@ class ObservationSynchronizer:
                        f'{len(positions)} positions; expected equal lengths')
             with self._lock:
                 self._note_receive(self.joint_state_topic, received)
-                self._problems[self.joint_state_topic] = f'last message refused: {problem}'
+                self._refused[self.joint_state_topic] = f'last message refused: {problem}'
             raise ValueError(problem)
+        problem = self.stamp_problem(stamp, received)
+        bad = [n for n, p in zip(names, positions) if n in self.joint_names
+               and not math.isfinite(p)]
         with self._lock:
             self._note_receive(self.joint_state_topic, received)
-            self._problems.pop(self.joint_state_topic, None)
+            if problem:
+                self._refused[self.joint_state_topic] = f'last message refused: {problem}'
+                return
+            self._refused.pop(self.joint_state_topic, None)
+            if bad:   # stored: the arm's state is unknown, the next build says which joints
+                self._problems[self.joint_state_topic] = \
+                    f'non-finite positions for joints {bad}'
+            else:
+                self._problems.pop(self.joint_state_topic, None)
             for name, position in zip(names, positions):
                 if name in self.joint_names:
                     old = self._joints.get(name)
                     if old is None or stamp >= old[1]:
                         self._joints[name] = (float(position), float(stamp))
+
+    def stamp_problem(self, stamp: float, now: float) -> str:
+        """Why a header stamp cannot be used at time `now` (s), or '' when it can.
+
+        Unset (0: the driver never filled it) or more than `max_future` ahead of `now`.
+        """
+        if stamp == 0.0:
+            return 'header stamp unset (0)'
+        if stamp - now > self.max_future:
+            return (f'stamped {stamp - now:.3f} s in the future (tolerance max_future '
+                    f'{self.max_future:.3f} s): are the clocks synchronized?')
+        return ''
+
+    def reset_history(self) -> None:
+        """Forget everything stored and which stamps were used (after a ROS time jump back:
+        stored stamps belong to the old timeline and would refuse every new input)."""
+        with self._lock:
+            self._frames.clear()
+            self._joints.clear()
+            self._last_stamps = {}
 
     def _note_receive(self, topic: str, received: float) -> None:
         self._receive_times[topic].append(received)
@@ -196,28 +244,44 @@ class ObservationSynchronizer:
             frames = {t: self._frames.get(t) for t in self.camera_topics}
             joints = {n: self._joints.get(n) for n in self.joint_names}
             any_joint = bool(self._joints)
+            refused = dict(self._refused)
         reasons, topics = [], []
         for topic, frame in frames.items():
+            why = f' ({refused[topic]})' if topic in refused else ''
             if frame is None:
-                reasons.append(f'camera {topic} has no image yet')
+                reasons.append(f'camera {topic} has no image yet{why}')
+                topics.append(topic)
+            elif self.stamp_problem(frame.stamp, now):
+                reasons.append(f'camera {topic} {self.stamp_problem(frame.stamp, now)}')
                 topics.append(topic)
             elif now - frame.stamp > max_image_age:
                 reasons.append(f'camera {topic} is stale: age {now - frame.stamp:.3f} s > '
-                               f'max_image_age {max_image_age:.3f} s')
+                               f'max_image_age {max_image_age:.3f} s{why}')
                 topics.append(topic)
         missing = [n for n, j in joints.items() if j is None]
+        future = [n for n, j in joints.items() if j is not None and self.stamp_problem(j[1], now)]
         stale = [n for n, j in joints.items() if j is not None and now - j[1] > max_state_age]
+        nonfinite = [n for n, j in joints.items() if j is not None and not math.isfinite(j[0])]
         if missing:
             with self._lock:
-                refused = self._problems.get(self.joint_state_topic, '')
-            what = (f'lacks joints {missing}' if any_joint or refused else 'has no message yet')
+                problem = (self._refused.get(self.joint_state_topic)
+                           or self._problems.get(self.joint_state_topic, ''))
+            what = (f'lacks joints {missing}' if any_joint or problem else 'has no message yet')
             reasons.append(f'joint state {self.joint_state_topic} {what}'
-                           + (f' ({refused})' if refused else ''))
+                           + (f' ({problem})' if problem else ''))
         if stale:
             ages = max(now - joints[n][1] for n in stale)
+            why = refused.get(self.joint_state_topic)
             reasons.append(f'joint state {self.joint_state_topic} is stale for {stale}: age '
-                           f'{ages:.3f} s > max_state_age {max_state_age:.3f} s')
-        if missing or stale:
+                           f'{ages:.3f} s > max_state_age {max_state_age:.3f} s'
+                           + (f' ({why})' if why else ''))
+        if future:
+            reasons.append(f'joint state {self.joint_state_topic} for {future} '
+                           f'{self.stamp_problem(max(joints[n][1] for n in future), now)}')
+        if nonfinite:
+            reasons.append(f'joint state {self.joint_state_topic} has non-finite positions '
+                           f'for joints {nonfinite}')
+        if missing or stale or future or nonfinite:
             topics.append(self.joint_state_topic)
         if reasons:
             return Skip(tuple(reasons), tuple(topics))
@@ -273,7 +337,7 @@ class ObservationSynchronizer:
                 # measured up to now, so the rate decays when a topic stops
                 span = max(now, times[-1]) - times[0] if times else 0.0
                 rate = (len(times) - 1) / span if len(times) >= 2 and span > 0 else 0.0
-                problem = self._problems.get(topic, '')
+                problem = self._refused.get(topic) or self._problems.get(topic, '')
                 if topic == self.joint_state_topic:
                     seen = [self._joints.get(n) for n in self.joint_names]
                     age = None if None in seen else now - min(j[1] for j in seen)

@@ -1,0 +1,160 @@
+"""Commanded motion continuous with the measured joint state, inside velocity and position limits.
+
+Safety model (DESIGN.md, "Safety model"): the first point after a start or a gap must not
+command a jump from where the arm is. `ChunkStitcher` joins a chunk to the previous one;
+`MotionLimiter` then anchors the published points to the MEASURED joint positions (the latest
+/joint_states of the commanded joints) and rate-limits them:
+
+    |p_0 - measured| <= v_max * max(t_0 - t_measured, control_period)
+    |p_k - p_(k-1)|  <= v_max * (t_k - t_(k-1))                        k >= 1
+
+per joint, so a plan that starts far from the arm is reached along a ramp at v_max instead of
+in one step, and a plan within reach passes unchanged. The first point's allowance counts from
+the measurement's stamp (the arm may have moved since, at most at v_max) and is at least one
+control period. The plan is clipped to the optional per-joint position limits BEFORE the rate
+limit, so the limits hold for every point, except while an arm measured outside them is ramped
+back in (never a step into the range).
+A joint without a measured position (NaN: e.g. a gripper command that is no joint position)
+is not anchored; its points are still rate-limited among themselves and clipped.
+
+Plain python + numpy; no rclpy; not thread-safe (the worker owns it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from .validation import finite_seconds
+
+Limit = Union[None, float, Sequence[float], np.ndarray]
+
+
+@dataclass(frozen=True)
+class LimitedPoints:
+    """Points after `MotionLimiter.limit`.
+
+    Attributes:
+        positions: float64 (K, A), robot units; the points to publish.
+        velocity_limited: number of (point, joint) values moved by the velocity limit.
+        position_clipped: number of (point, joint) values moved by the position limits.
+        start_offset: float64 (A,), |p_0 - measured| of the INPUT's first point per joint
+            (nan where not measured): how far the plan began from the arm.
+    """
+
+    positions: np.ndarray
+    velocity_limited: int
+    position_clipped: int
+    start_offset: np.ndarray
+
+
+def _per_joint(name: str, value: Limit) -> Optional[np.ndarray]:
+    if value is None:
+        return None
+    array = np.asarray(value, dtype=np.float64)
+    if array.ndim > 1 or array.size == 0:
+        raise ValueError(f'{name} must be a float or a 1-D list (one value per commanded '
+                         f'joint), got shape {array.shape}')
+    if np.isnan(array).any():
+        raise ValueError(f'{name} must not contain nan, got {array.tolist()}')
+    return array
+
+
+class MotionLimiter:
+    """Anchors published points to the measured joint state; velocity and position limits.
+
+    Args:
+        control_period: seconds (> 0, finite) between consecutive points.
+        max_velocity: per joint, robot units per second (rad/s for revolute joints): a float
+            for every joint or a 1-D sequence (A,); each > 0; inf (or None for all) = no
+            limit.
+        position_min, position_max: None, or per joint limits (float or (A,)); -inf / inf
+            for joints without a limit; min <= max.
+
+    Raises:
+        ValueError: control_period not positive and finite; max_velocity not > 0; limits of
+            the wrong shape, nan, or min > max.
+    """
+
+    def __init__(self, control_period: float, max_velocity: Limit = np.inf,
+                 position_min: Limit = None, position_max: Limit = None) -> None:
+        control_period = finite_seconds('control_period', control_period)
+        if control_period <= 0.0:
+            raise ValueError(f'control_period must be > 0 seconds, got {control_period!r}')
+        velocity = _per_joint('max_velocity', np.inf if max_velocity is None else max_velocity)
+        if not np.all(velocity > 0.0):
+            raise ValueError(f'max_velocity must be > 0 (inf: no limit), got {velocity.tolist()}')
+        lower = _per_joint('position_min', position_min)
+        upper = _per_joint('position_max', position_max)
+        if lower is not None and upper is not None and lower.shape == upper.shape \
+                and np.any(lower > upper):
+            raise ValueError(f'position_min must be <= position_max per joint, got '
+                             f'{lower.tolist()} > {upper.tolist()}')
+        self.control_period = control_period
+        self.max_velocity = velocity
+        self.position_min = lower
+        self.position_max = upper
+
+    def _check(self, name: str, array: Optional[np.ndarray], joints: int) -> None:
+        if array is not None and array.ndim == 1 and array.shape[0] != joints:
+            raise ValueError(f'{name} has {array.shape[0]} values but the chunk commands '
+                             f'{joints} joints; give one value per commanded joint')
+
+    def limit(self, times: np.ndarray, positions: np.ndarray, measured: np.ndarray,
+              measured_time: float) -> LimitedPoints:
+        """Limit the points of one chunk.
+
+        Args:
+            times: float (K,), seconds (ROS time), strictly increasing: when each point runs.
+            positions: float (K, A), robot units: the stitched plan.
+            measured: float (A,), the latest measured position of each commanded joint;
+                nan for a joint that has none (not anchored).
+            measured_time: seconds (ROS time), header stamp of that measurement.
+
+        Returns:
+            LimitedPoints (K == 0 passes through).
+
+        Raises:
+            ValueError: shapes disagree (with each other or with the limits), non-finite
+                times or positions, measured_time not finite.
+        """
+        times = np.asarray(times, dtype=np.float64)
+        positions = np.array(positions, dtype=np.float64)
+        measured = np.asarray(measured, dtype=np.float64)
+        measured_time = finite_seconds('measured_time', measured_time)
+        if positions.ndim != 2 or times.shape != (positions.shape[0],):
+            raise ValueError(f'times (K,) and positions (K, A) expected, got {times.shape} and '
+                             f'{positions.shape}')
+        joints = positions.shape[1]
+        if measured.shape != (joints,):
+            raise ValueError(f'measured must have one value per commanded joint ({joints}), '
+                             f'got shape {measured.shape}')
+        for name in ('max_velocity', 'position_min', 'position_max'):
+            self._check(name, getattr(self, name), joints)
+        if not (np.all(np.isfinite(times)) and np.all(np.isfinite(positions))):
+            raise ValueError('times and positions must be finite')
+        offset = np.abs(positions[0] - measured) if len(times) else np.full(joints, np.nan)
+        if len(times) == 0:
+            return LimitedPoints(positions, 0, 0, offset)
+
+        planned = positions.copy()
+        if self.position_min is not None:
+            positions = np.maximum(positions, self.position_min)
+        if self.position_max is not None:
+            positions = np.minimum(positions, self.position_max)
+        position_clipped = int(np.count_nonzero(positions != planned))
+
+        clipped = positions.copy()
+        first_dt = max(times[0] - measured_time, self.control_period)
+        reference = measured
+        for k in range(len(times)):
+            dt = first_dt if k == 0 else times[k] - times[k - 1]
+            step = self.max_velocity * dt
+            anchored = np.isfinite(reference)
+            lo = np.where(anchored, reference - step, -np.inf)
+            hi = np.where(anchored, reference + step, np.inf)
+            positions[k] = np.clip(positions[k], lo, hi)
+            reference = positions[k]
+        velocity_limited = int(np.count_nonzero(positions != clipped))
+        return LimitedPoints(positions, velocity_limited, position_clipped, offset)

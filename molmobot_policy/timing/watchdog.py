@@ -1,0 +1,92 @@
+"""Whether action chunks still reach the robot: the rule behind the node's output status.
+
+Safety model (DESIGN.md, "Safety model"): the node is never silent while nothing reaches the
+arm. Whatever the cause (a stale camera, a NaN joint state, no /clock, a refused frame), the
+output status says so: OK while chunks are published on schedule, WARN once no chunk came
+for more than one period, ERROR after `error_periods` periods; the message names the last
+reason a tick was skipped. Plain python; times are float seconds from the caller's clock.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from .validation import finite_seconds
+
+OK, WARN, ERROR = 'OK', 'WARN', 'ERROR'
+
+
+@dataclass(frozen=True)
+class OutputState:
+    """Attributes:
+        level: OK, WARN or ERROR.
+        message: one line for a monitor, naming the last skip reason when not OK.
+        since_last: seconds since the last published chunk (or since `start`), None before.
+    """
+
+    level: str
+    message: str
+    since_last: float | None
+
+
+class OutputWatchdog:
+    """Tracks published chunks and skipped ticks; thread-safe.
+
+    Args:
+        period: seconds (> 0) between chunks (the node's chunk_period).
+        error_periods: periods without a chunk before ERROR (> 1).
+
+    Raises:
+        ValueError: period not > 0, error_periods not > 1.
+    """
+
+    def __init__(self, period: float, error_periods: float = 3.0) -> None:
+        period = finite_seconds('period', period)
+        if period <= 0.0:
+            raise ValueError(f'period must be > 0 s, got {period!r}')
+        if not (isinstance(error_periods, (int, float)) and error_periods > 1.0):
+            raise ValueError(f'error_periods must be a number > 1, got {error_periods!r}')
+        self.period = period
+        self.error_periods = float(error_periods)
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._reason = ''
+        self._published = 0
+
+    def start(self, now: float) -> None:
+        """Begin watching at `now` (activation, or a time reset): the clock restarts."""
+        with self._lock:
+            self._since, self._reason = float(now), ''
+
+    def stop(self) -> None:
+        """Stop watching (deactivated): `check` reports that nothing is expected."""
+        with self._lock:
+            self._since = None
+
+    def published(self, now: float) -> None:
+        """A chunk reached the output at `now`."""
+        with self._lock:
+            self._since, self._reason = float(now), ''
+            self._published += 1
+
+    def skipped(self, reason: str) -> None:
+        """A tick published nothing, for `reason` (kept for the next messages)."""
+        with self._lock:
+            self._reason = reason
+
+    def check(self, now: float) -> OutputState:
+        """The output's state at `now`."""
+        with self._lock:
+            since, reason = self._since, self._reason
+        if since is None:
+            return OutputState(OK, 'not active: no output expected', None)
+        gap = max(now - since, 0.0)
+        what = 'no chunk published' if self._published == 0 else 'no chunk'
+        why = f': {reason}' if reason else ''
+        if gap > self.error_periods * self.period:
+            return OutputState(ERROR, f'{what} for {gap:.1f} s, the robot gets no commands{why}',
+                               gap)
+        if gap > self.period:
+            return OutputState(WARN, f'{what} for {gap:.2f} s (> one period '
+                                     f'{self.period:.3f} s){why}', gap)
+        return OutputState(OK, 'chunks published on schedule', gap)

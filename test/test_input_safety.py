@@ -1,0 +1,119 @@
+"""Only data from the present: future-stamped and unset-stamp inputs are refused and named,
+never used, and do not block later frames; non-finite joint positions are named; a time jump
+back can reset the history (ros/synchronizer.py)."""
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
+from molmobot_policy.types import Observation
+
+CAMERAS = ('/cam0/image_raw', '/cam1/image_raw')
+JOINTS = ('joint_a', 'joint_b')
+
+
+def _image(value=1):
+    return SimpleNamespace(height=2, width=3, encoding='rgb8', step=9, data=bytes([value]) * 18)
+
+
+def _sync(**kwargs):
+    return ObservationSynchronizer(CAMERAS, JOINTS, joint_state_topic='/joint_states', **kwargs)
+
+
+def _fill(sync, stamp, received=None):
+    received = stamp if received is None else received
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(), stamp, received)
+    sync.add_joint_state(JOINTS, [0.1, 0.2], stamp, received)
+
+
+def test_future_stamped_frame_is_refused_named_and_not_used():
+    sync = _sync(max_future=0.05)
+    _fill(sync, stamp=10.0)
+    assert not sync.add_image(CAMERAS[0], _image(7), stamp=15.0, received=10.01)
+    problem = sync.stats(10.01)[CAMERAS[0]].problem
+    assert 'stamped 4.990 s in the future' in problem and 'clocks synchronized' in problem
+    obs = sync.build(10.02, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(obs, Observation)
+    assert obs.image_stamps[0] == 10.0          # the present frame, not the future one
+
+
+def test_future_frame_does_not_block_later_present_frames():
+    # stored, a frame 5 s ahead would make every later frame look 'older' and be dropped
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_image(CAMERAS[0], _image(), stamp=15.0, received=10.0)
+    assert sync.add_image(CAMERAS[0], _image(), stamp=10.1, received=10.1)
+    assert sync.stats(10.1)[CAMERAS[0]].problem == ''
+
+
+def test_dead_camera_goes_stale_on_time_despite_a_future_frame():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_image(CAMERAS[0], _image(), stamp=15.0, received=10.0)
+    skip = sync.build(10.6, max_image_age=0.5, max_state_age=5.0)
+    assert isinstance(skip, Skip)
+    assert CAMERAS[0] in skip.topics
+    assert 'stale' in str(skip) and 'in the future' in str(skip)
+
+
+def test_stamp_within_tolerance_is_accepted():
+    sync = _sync(max_future=0.05)
+    _fill(sync, stamp=10.04, received=10.0)
+    assert isinstance(sync.build(10.0, max_image_age=0.5, max_state_age=0.5), Observation)
+
+
+def test_future_stamp_at_build_time_after_now_went_back_is_refused():
+    sync = _sync(max_future=0.05)
+    _fill(sync, stamp=10.0)
+    skip = sync.build(9.0, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(skip, Skip)
+    assert set(skip.topics) == set(CAMERAS) | {'/joint_states'}
+    assert 'in the future' in str(skip)
+
+
+def test_future_stamped_joint_state_is_refused_and_named():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_joint_state(JOINTS, [9.0, 9.0], stamp=20.0, received=10.0)
+    assert 'in the future' in sync.stats(10.0)['/joint_states'].problem
+    obs = sync.build(10.01, max_image_age=0.5, max_state_age=0.5)
+    np.testing.assert_allclose(obs.state, [0.1, 0.2])
+
+
+def test_unset_stamp_is_reported_as_unset_not_as_a_huge_age():
+    sync = _sync()
+    assert not sync.add_image(CAMERAS[0], _image(), stamp=0.0, received=1796148637.0)
+    assert 'header stamp unset (0)' in sync.stats(1796148637.0)[CAMERAS[0]].problem
+    skip = sync.build(1796148637.0, max_image_age=0.5, max_state_age=0.5)
+    reason = next(r for r in skip.reasons if CAMERAS[0] in r)
+    assert 'header stamp unset (0)' in reason and not re.search(r'\bage\b', reason)
+
+
+def test_non_finite_joint_positions_are_named_in_skip_and_stats():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_joint_state(JOINTS, [0.1, float('nan')], stamp=10.05, received=10.05)
+    skip = sync.build(10.06, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(skip, Skip)
+    assert "non-finite positions for joints ['joint_b']" in str(skip)
+    assert "['joint_b']" in sync.stats(10.06)['/joint_states'].problem
+    sync.add_joint_state(JOINTS, [0.1, 0.3], stamp=10.1, received=10.1)
+    assert isinstance(sync.build(10.11, max_image_age=0.5, max_state_age=0.5), Observation)
+    assert sync.stats(10.11)['/joint_states'].problem == ''
+
+
+def test_reset_history_accepts_a_new_timeline_after_a_jump_back():
+    sync = _sync()
+    _fill(sync, stamp=100.0)
+    assert isinstance(sync.build(100.0, 0.5, 0.5), Observation)
+    sync.reset_history()
+    _fill(sync, stamp=90.0)
+    assert isinstance(sync.build(90.0, 0.5, 0.5), Observation)
+
+
+def test_negative_tolerance_is_refused():
+    with pytest.raises(ValueError, match='max_future must be >= 0'):
+        _sync(max_future=-0.1)

@@ -1,0 +1,73 @@
+"""Parameter file sections are matched as rcl matches them (the table below was read off
+rclpy 9.1 / Kilted: a node 'molmobot_policy' started with and without `-r __ns:=/robot1`
+and a file with one section), and a file with no applicable section is an error."""
+import pytest
+
+from molmobot_policy.ros.param_files import section_applies, unmatched_parameter_files
+
+ROOT, NAMESPACED = '/molmobot_policy', '/robot1/molmobot_policy'
+
+# section -> (applies without namespace, applies under /robot1), as rclpy did
+RCL_TABLE = {
+    'molmobot_policy': (True, False),
+    '/molmobot_policy': (True, False),
+    '/robot1/molmobot_policy': (False, True),
+    'robot1/molmobot_policy': (False, True),
+    '/**': (True, True),
+    '/robot1/*': (False, True),
+    '/*': (True, False),
+    '/**/molmobot_policy': (True, True),
+    '/*/molmobot_policy': (False, True),
+    '/**/other': (False, False),
+}
+
+
+@pytest.mark.parametrize('section', RCL_TABLE)
+def test_section_matching_agrees_with_rcl(section):
+    assert (section_applies(section, ROOT), section_applies(section, NAMESPACED)) \
+        == RCL_TABLE[section]
+
+
+def test_remapped_node_name_is_matched_by_its_new_name():
+    assert section_applies('/robot1/policy_left', '/robot1/policy_left')
+    assert not section_applies('molmobot_policy', '/policy_left')
+
+
+def _file(tmp_path, text):
+    path = tmp_path / 'params.yaml'
+    path.write_text(text)
+    return ['--ros-args', '--params-file', str(path)]
+
+
+def test_plain_section_under_a_namespace_is_an_error_naming_the_expected_section(tmp_path):
+    argv = _file(tmp_path, 'molmobot_policy:\n  ros__parameters:\n    x: 1\n')
+    [error] = unmatched_parameter_files(argv, NAMESPACED)
+    assert "no section for node '/robot1/molmobot_policy'" in error
+    assert "['molmobot_policy']" in error
+    assert '/robot1/molmobot_policy:' in error and '/**:' in error
+
+
+def test_plain_section_without_namespace_applies(tmp_path):
+    argv = _file(tmp_path, 'molmobot_policy:\n  ros__parameters:\n    x: 1\n')
+    assert unmatched_parameter_files(argv, ROOT) == []
+
+
+def test_typo_is_suggested(tmp_path):
+    argv = _file(tmp_path, 'molmobot_polcy:\n  ros__parameters:\n    x: 1\n')
+    [error] = unmatched_parameter_files(argv, ROOT)
+    assert "did you mean 'molmobot_policy' for 'molmobot_polcy'" in error
+
+
+def test_wildcard_sections_apply_everywhere(tmp_path):
+    argv = _file(tmp_path, '/**:\n  ros__parameters:\n    x: 1\n')
+    assert unmatched_parameter_files(argv, NAMESPACED) == []
+
+
+def test_one_error_per_file_without_an_applicable_section(tmp_path):
+    good = tmp_path / 'good.yaml'
+    good.write_text('/**/molmobot_policy:\n  ros__parameters:\n    x: 1\n')
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text('other_node:\n  ros__parameters:\n    x: 1\n')
+    argv = ['--ros-args', '--params-file', str(good), '--params-file', str(bad)]
+    errors = unmatched_parameter_files(argv, NAMESPACED)
+    assert len(errors) == 1 and str(bad) in errors[0]
