@@ -16,7 +16,7 @@ export PYOPENGL_PLATFORM ?= egl
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt setup.py scripts/install_system_deps.sh
+$(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.txt requirements/test.txt setup.py scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
