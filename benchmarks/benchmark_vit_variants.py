@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmark_llm_attention import time_graph  # noqa: E402
 
 from molmobot_policy.model import vision  # noqa: E402
-from molmobot_policy.runtime import engine  # noqa: E402
+from molmobot_policy.runtime import compile as engine  # noqa: E402  (its compile helpers)
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 
 

@@ -328,7 +328,7 @@ def test_engine_blocks_compile_with_one_pass_row_reductions_whoever_calls_them_f
     """With a row limit, every compiled block and glue piece carries the widened heuristic
     itself (`compile_module_`), so a first call from outside the engine's query compiles the
     served kernels too; without one (the CPU's default), Inductor's own heuristic."""
-    from molmobot_policy.runtime.engine import (compile_action_expert_glue_,
+    from molmobot_policy.runtime.compile import (compile_action_expert_glue_,
                                                 compile_repeated_blocks_)
 
     torch._dynamo.reset()
@@ -349,7 +349,7 @@ def test_engine_blocks_compile_with_one_pass_row_reductions_whoever_calls_them_f
 
 def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics():
     from torch._inductor.virtualized import V
-    from molmobot_policy.runtime.engine import wide_row_reductions
+    from molmobot_policy.runtime.compile import wide_row_reductions
     seen = []
 
     def fn(x):

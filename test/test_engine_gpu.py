@@ -141,7 +141,7 @@ def test_quantizing_twice_is_refused():
 @pytest.mark.parametrize('limit,kernel', [(0, 'triton_red_'), (4096, 'triton_per_')])
 def test_wide_row_reductions_compile_a_1152_wide_layer_norm_in_one_pass(limit, kernel):
     from torch._inductor.utils import run_and_get_code
-    from molmobot_policy.runtime.engine import wide_row_reductions
+    from molmobot_policy.runtime.compile import wide_row_reductions
     torch._dynamo.reset()
     norm = torch.nn.LayerNorm(1152, device='cuda', dtype=torch.bfloat16)
     x = torch.randn(4096, 1152, device='cuda', dtype=torch.bfloat16)
