@@ -267,7 +267,7 @@ def test_fused_action_expert_takes_booleans_as_on_off():
 
 def test_fused_action_expert_auto_falls_back_to_the_blocks_on_cpu_and_says_why():
     e = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)))
-    assert e._fused_blocks is None
+    assert e.served.action_expert.fused_steps is None
     assert e.mode['fused_action_expert'] == 'off (needs a CUDA device, serving on cpu)'
 
 
@@ -365,21 +365,23 @@ def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics
 
 
 def test_compiled_vit_blocks_with_stacked_qkv_share_one_graph():
-    """Regional compile traces one ViT block and reuses it for all: the q|k|v stack is a
-    graph input like the parameters, not a per-block constant (no recompile per block)."""
+    """Regional compile traces one ViT block and reuses it for all: the served q|k|v stack
+    is a graph input like the parameters, not a per-block constant (no recompile per block)."""
     from torch._dynamo.utils import counters
     from molmobot_policy.model.checkpoint import random_model
     from molmobot_policy.model.config import MolmoBotConfig
+    from molmobot_policy.runtime.serving import prepare_for_serving
 
     torch._dynamo.reset()
-    vit = random_model(MolmoBotConfig.from_name('tiny'), seed=0).vision_backbone.image_vit
+    model = random_model(MolmoBotConfig.from_name('tiny'), seed=0)
+    vit = model.vision_backbone.image_vit
     blocks = vit.transformer.resblocks
     assert len(blocks) >= 2
     patches = torch.rand(2, 729, vit.cfg.patch_dim) * 2 - 1
     with torch.no_grad():
         eager = vit(patches)[-1]
+        prepare_for_serving(model, EngineConfig(model='tiny'), flow_steps=1)
         for block in blocks:
-            block.attention.stack_qkv_()
             block.compile(dynamic=False, fullgraph=True)
         before = counters['stats']['unique_graphs']
         compiled = vit(patches)[-1]

@@ -126,7 +126,7 @@ def test_fp8_engine_actions_stay_close_to_bf16():
     base = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16'))
     ref = base.predict(observation(), noise=noise()).actions_normalized
     fp8 = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16', quantize='fp8'))
-    assert fp8.fp8 in ('rowwise', 'tensor')
+    assert fp8.mode['fp8'] in ('rowwise', 'tensor')
     out = fp8.predict(observation(), noise=noise()).actions_normalized
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() / 2.0 < 0.05     # within 5 % of the [-1, 1] range (tiny model)

@@ -87,13 +87,13 @@ class LlmConfig:
 class ActionExpertConfig:
     """DiT-style flow-matching head. Upstream: `model.action_expert`."""
 
-    hidden_size: int = 768
-    num_layers: int = 36
+    hidden_size: int = 768           # DiT width (768 = 8 heads x 96)
+    num_layers: int = 36             # one block per LLM layer in `per_layer` mode
     num_heads: int = 8
-    mlp_ratio: float = 4.0
-    timestep_embed_dim: int = 256
-    max_horizon: int = 32
-    context_layer_norm: bool = True
+    mlp_ratio: float = 4.0           # MLP hidden = mlp_ratio * hidden_size (exact GELU)
+    timestep_embed_dim: int = 256    # sinusoidal time embedding width
+    max_horizon: int = 32            # rows of action_pos_embed
+    context_layer_norm: bool = True  # context_norm: LayerNorm eps 1e-5, no affine
 
     @property
     def head_dim(self) -> int:

@@ -400,7 +400,7 @@ class PolicyNode(LifecycleNode):
         joints = list(self._param('joint_names'))
         action_joints = list(self._param('action_joint_names'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
-        from molmobot_policy.runtime.engine import fused_action_expert_mode
+        from molmobot_policy.runtime.config import fused_action_expert_mode
         engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
             engine_config['fused_action_expert'])
         engine_config['num_cameras'] = len(cameras)

@@ -17,7 +17,6 @@ warm-up, never while serving.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,146 +26,13 @@ import numpy as np
 import torch
 
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
-from molmobot_policy.runtime.compile import compile_action_expert_glue_, compile_repeated_blocks_
+from molmobot_policy.model.molmobot import euler_flow
+from molmobot_policy.runtime.config import DTYPES, EngineConfig
 from molmobot_policy.runtime.graphs import StaticRunner
+from molmobot_policy.runtime.serving import prepare_for_serving
 from molmobot_policy.types import ActionChunk, Observation
 
 log = logging.getLogger('molmobot_policy.engine')
-
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
-OVERLONG_MODES = ('error', 'truncate')
-FUSED_AE_MODES = ('auto', 'on', 'off')
-
-
-def fused_action_expert_mode(value):
-    """`fused_action_expert` as written by a user: True / False (YAML's unquoted on / off,
-    `-p fused_action_expert:=on`) read as 'on' / 'off'; any other value unchanged
-    (`EngineConfig` validates it)."""
-    if isinstance(value, bool):
-        return 'on' if value else 'off'
-    return value
-
-
-@dataclass
-class EngineConfig:
-    """Engine options; each is also a node parameter of the same name, except num_cameras
-    (the node sets it from camera_topics).
-
-    Attributes:
-        model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
-        checkpoint_path: upstream checkpoint directory (config.yaml + model.pt/safetensors).
-        tokenizer_path: Qwen tokenizer.json (file or directory); default: beside the checkpoint.
-        tokenizer: 'auto', 'tiny' or 'file' (`preprocess.tokenizer.resolve_tokenizer`): auto
-            takes tokenizer_path / the tokenizer.json beside the checkpoint, else the built-in
-            tiny tokenizer for tiny-vocabulary models and random weights, else fails naming
-            the file needed.
-        norm_stats_key: dataset key of the checkpoint's normalization stats
-            (`stats_by_repo`, e.g. 'synthmanip'); '' = the checkpoint's default_repo_id.
-        device: 'cpu', 'cuda', 'cuda:1', ...
-        dtype: serving dtype of the weights: 'float32', 'bfloat16' or 'float16'.
-        seed: seed of the random weights (no checkpoint) and of the flow noise.
-        flow_steps: Euler steps; 0 = the model config's (10 upstream).
-        num_cameras: images per observation; 0 = the model's max_images.
-        compile: torch.compile every repeated block (inductor, regional compilation);
-            note: compiles the (possibly shared) model in place. On CUDA, row reductions
-            of up to PERSISTENT_ROW_LIMIT elements compile to one-pass kernels
-            (`runtime.compile.wide_row_reductions`).
-        cuda_graphs: capture each bucket's query as one CUDA graph (CUDA only).
-        kv_cache: compute the action expert's cross-attention context once per query
-            (False recomputes it every flow step; for comparison only).
-        buckets: fixed prompt lengths (tokens) to pad to; empty = no padding (eager only).
-        overlong: what to do with a prompt longer than the largest bucket (without buckets:
-            than the model's max_sequence_length): 'error' or 'truncate' (words are cut from
-            the end of the instruction until it fits).
-        quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
-        vit_fp32_attention: upstream's `float32_attention` in the ViT and the pooling
-            (q, k, v cast to float32 before attention). False (default) runs the fused bf16
-            kernel, which also accumulates in float32 but rounds the probabilities to bf16;
-            2.5x faster ViT on an H200. No effect when dtype is float32.
-        fused_action_expert: run each flow step's DiT blocks as one persistent Triton kernel
-            (`runtime.fused_dit`; CUDA, bf16/fp16, with kv_cache): 'auto' (default) uses it
-            when the engine compiles or captures graphs and the kernel can serve the model,
-            else the compiled blocks, with a log line saying why; 'on' requires it (error
-            otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
-            runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
-            the residual stream stays float32 in the kernel).
-        instruction: default instruction, used when an observation carries none.
-        gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
-            of one action dimension (index -1 = off), in robot units.
-    """
-
-    model: str = 'tiny'
-    checkpoint_path: str = ''
-    tokenizer_path: str = ''
-    tokenizer: str = 'auto'
-    norm_stats_key: str = ''
-    device: str = 'cpu'
-    dtype: str = 'float32'
-    seed: int = 0
-    flow_steps: int = 0
-    num_cameras: int = 0
-    compile: bool = False
-    cuda_graphs: bool = False
-    kv_cache: bool = True
-    buckets: tuple[int, ...] = ()
-    overlong: str = 'error'
-    quantize: str = 'none'
-    vit_fp32_attention: bool = False
-    fused_action_expert: str = 'auto'
-    instruction: str = ''
-    gripper_index: int = -1
-    gripper_threshold: float = 0.0
-    gripper_open: float = 0.0
-    gripper_closed: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f'dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}')
-        if self.quantize not in QUANTIZE_MODES:
-            raise ValueError(f'quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}')
-        if self.tokenizer not in TOKENIZER_MODES:
-            raise ValueError(f'tokenizer must be one of {TOKENIZER_MODES}, got {self.tokenizer!r}')
-        if self.norm_stats_key and not self.checkpoint_path:
-            raise ValueError(f'norm_stats_key={self.norm_stats_key!r} needs a checkpoint_path '
-                             '(presets carry one set of stats)')
-        if self.gripper_index < -1:
-            raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
-                             f'{self.gripper_index}')
-        self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
-        if self.fused_action_expert not in FUSED_AE_MODES:
-            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
-                             f'{self.fused_action_expert!r}')
-        if self.fused_action_expert == 'on':
-            if not self.kv_cache:
-                raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads '
-                                 'the cached cross-attention K/V)')
-            if not self.device.startswith('cuda'):
-                raise ValueError(f'fused_action_expert=on needs a CUDA device, got '
-                                 f'device={self.device!r}')
-            if self.dtype == 'float32':
-                raise ValueError("fused_action_expert=on needs dtype 'bfloat16' or 'float16', "
-                                 "got 'float32'")
-        if self.overlong not in OVERLONG_MODES:
-            raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
-        self.buckets = tuple(sorted(int(b) for b in self.buckets))
-        if any(b <= 0 for b in self.buckets):
-            raise ValueError(f'buckets must be positive token counts, got {self.buckets}')
-        if self.cuda_graphs and not self.buckets:
-            raise ValueError('cuda_graphs needs fixed shapes: set buckets (e.g. [2048])')
-        if self.cuda_graphs and not self.device.startswith('cuda'):
-            raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
-        if self.quantize != 'none' and not self.device.startswith('cuda'):
-            raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')
-
-
-def set_vit_fp32_attention_(model, enabled: bool) -> None:
-    """Sets `float32_attention` of every ViT / pooling attention module of `model`."""
-    from molmobot_policy.model.vision import ViTMultiHeadDotProductAttention
-    for module in model.modules():
-        if isinstance(module, ViTMultiHeadDotProductAttention):
-            module.float32_attention = enabled
 
 
 def suggested_buckets(shortest_prompt: int) -> tuple[int, ...]:
@@ -223,11 +89,6 @@ class PolicyEngine:
         else:
             self.model_config = MolmoBotConfig.from_name(config.model)
             self.model = ckpt.random_model(self.model_config, config.seed, self.device, self.dtype)
-        self.model.eval().requires_grad_(False)
-        set_vit_fp32_attention_(self.model, config.vit_fp32_attention)
-        self.model.action_expert.stack_kv_projections_()   # K/V cache: one batched GEMM
-        for block in self.model.vision_backbone.image_vit.transformer.resblocks:
-            block.attention.stack_qkv_()                     # ViT q|k|v: one GEMM
         self.load_seconds = time.perf_counter() - start
         mcfg = self.model_config
         self.num_cameras = config.num_cameras or mcfg.max_images
@@ -241,16 +102,7 @@ class PolicyEngine:
         self._build_preprocessing()
         self._fit_cache: dict[str, tuple[np.ndarray, int]] = {}
         self._check_prompt_fits()
-        self.fp8 = 'none'
-        if config.quantize != 'none':
-            from molmobot_policy.model.fp8 import quantize_llm_fp8_
-            wanted = 'tensor' if config.quantize == 'fp8-tensor' else 'rowwise'
-            self.fp8 = quantize_llm_fp8_(self.model.transformer.blocks, wanted)
-        self._conditioning = self._precompute_conditioning()
-        with torch.inference_mode():     # depends only on the weights, like the conditioning
-            self._cross_out_bias = self.model.action_expert.cross_output_bias()
-        self.fused_reason = ''     # why the fused kernel is not used ('' when it is)
-        self._fused_blocks = self._make_fused_blocks()
+        self.served = prepare_for_serving(self.model, config, self.flow_steps)
         self._text_cache: dict[str, TextInputs] = {}
         self._runners: dict[int, StaticRunner] = {}
         self._query_fn = self._make_query_fn()
@@ -282,72 +134,23 @@ class PolicyEngine:
         self._pooling = torch.as_tensor(
             pimages.pooling_indices(self.num_cameras), device=self.device)[None]
 
-    def _precompute_conditioning(self) -> list:
-        """AdaLN parameters of every block for each fixed flow time i/steps (computed once)."""
-        ae = self.model.action_expert
-        steps = self.flow_steps
-        with torch.inference_mode():
-            return [ae.time_conditioning(torch.full((1,), i / steps, device=self.device,
-                                                    dtype=torch.float32))
-                    for i in range(steps)]
-
-    def _make_fused_blocks(self) -> list | None:
-        """Per flow step, the fused DiT kernel (`runtime.fused_dit.FusedDiTStep`) bound to
-        that step's precomputed tables; None where `fused_action_expert` or the hardware says
-        the compiled blocks run instead. Raises ValueError when 'on' and it cannot serve."""
-        c = self.config
-        if c.fused_action_expert == 'off':
-            self.fused_reason = 'as configured'
-            return None
-        if not c.kv_cache:
-            self.fused_reason = 'kv_cache=false'
-            return None
-        from molmobot_policy.runtime import fused_dit
-        reason = fused_dit.unavailable_reason(self.model.action_expert, self.device, self.dtype)
-        if reason:
-            if c.fused_action_expert == 'on':
-                raise ValueError(f'fused_action_expert=on, but the kernel cannot serve: {reason}')
-            self.fused_reason = reason
-            log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
-            return None
-        if c.fused_action_expert == 'auto' and not (c.compile or c.cuda_graphs):
-            self.fused_reason = 'auto uses it with compile or cuda_graphs'
-            return None
-        step = fused_dit.FusedDiTStep(self.model.action_expert)
-        with torch.inference_mode():
-            return [functools.partial(step, tables=step.tables(c.blocks))
-                    for c in self._conditioning]
-
     def _make_query_fn(self) -> Callable[..., torch.Tensor]:
-        """The device part of one query as one function of tensors (compiled if asked)."""
-        model, ae = self.model, self.model.action_expert
-        layer_ids = list(self.model_config.ae_layer_ids)
-        conditioning, steps = self._conditioning, self.flow_steps
-        kv_cache, dt = self.config.kv_cache, 1.0 / self.flow_steps
-        fused, out_bias = self._fused_blocks, self._cross_out_bias
+        """The device part of one query as one function of tensors: the served, K/V-cached form
+        of `MolmoBot.generate_actions` (the same `euler_flow`, the served velocity)."""
+        model, served = self.model, self.served.action_expert
+        kv_cache, steps = self.config.kv_cache, self.flow_steps
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
-            hidden = model.llm_hidden_states(
+            hidden = model.select_ae_layers(model.llm_hidden_states(
                 input_ids, images, token_pooling, position_ids=position_ids,
-                attention_mask=attention_mask, image_positions=image_positions)
-            hidden = hidden[layer_ids] if len(layer_ids) != hidden.shape[0] else hidden
-            x = noise
-            if kv_cache:
-                ctx = ae.prepare_context(hidden, attention_mask, states, out_bias)
-                for i in range(steps):
-                    blocks_fn = fused[i] if fused else None
-                    x = x + dt * ae.velocity_from_conditioning(x, conditioning[i], ctx,
-                                                               blocks_fn)
-            else:
-                for i in range(steps):
-                    t = torch.full((x.shape[0],), i / steps, device=x.device)
-                    x = x + dt * ae(x, t, hidden, attention_mask, states)
-            return x.float()
+                attention_mask=attention_mask, image_positions=image_positions))
+            cached = served.context(hidden, attention_mask, states) if kv_cache else None
 
-        if self.config.compile:     # one-pass row reductions on CUDA: `served_row_limit`
-            compile_repeated_blocks_(self.model)
-            compile_action_expert_glue_(ae)
+            def velocity(x, i):    # kv_cache=False recomputes the context every flow step
+                ctx = cached if kv_cache else served.context(hidden, attention_mask, states)
+                return served.velocity(x, i, ctx)
+            return euler_flow(noise, velocity, steps)
         return query
 
     # ------------------------------------------------------------------ text side
@@ -632,10 +435,10 @@ class PolicyEngine:
         c = self.config
         return {'model': self.model_config.name, 'device': c.device, 'dtype': c.dtype,
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
-                'kv_cache': str(c.kv_cache), 'fp8': self.fp8,
+                'kv_cache': str(c.kv_cache), 'fp8': self.served.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
-                'fused_action_expert': 'on' if self._fused_blocks is not None
-                else f'off ({self.fused_reason})',
+                'fused_action_expert': f'off ({self.served.fused_reason})'
+                if self.served.fused_reason else 'on',
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps), 'cameras': str(self.num_cameras)}
 
@@ -644,9 +447,7 @@ class PolicyEngine:
         self._runners.clear()
         self._text_cache.clear()
         self._fit_cache.clear()
-        self._conditioning = []
-        self._cross_out_bias = None
-        self._fused_blocks = None
+        self.served = None
         self._query_fn = None
         self.model = None
         if self.device.type == 'cuda':
