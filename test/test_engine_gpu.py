@@ -21,7 +21,7 @@ BUCKETS = (1664, 2048)
 def observation(seed: int = 0, instruction: str = INSTRUCTION) -> Observation:
     rng = np.random.default_rng(seed)
     images = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(8))
-    return Observation(images=images, state=rng.uniform(-1, 1, 7).astype(np.float32),
+    return Observation(images=images, state=rng.uniform(-1, 1, 8).astype(np.float32),
                        instruction=instruction)
 
 

@@ -84,8 +84,11 @@ def _seconds(stamp) -> float:
 
 
 def _default_engine_factory(config: dict):
+    """`PolicyEngine` of the EngineConfig fields in `config` and its 'contract'."""
     from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
-    return PolicyEngine(EngineConfig(**config))
+    options = dict(config)
+    contract = options.pop('contract')
+    return PolicyEngine(EngineConfig(**options), contract=contract)
 
 
 def _descriptor(description: str, type_: int, read_only: bool = True,
@@ -152,8 +155,8 @@ PARAMETERS = {
                                        _S)),
     'tokenizer': ('auto', _descriptor(
         'which tokenizer serves the model', _S, constraints="'auto' (tokenizer_path or the "
-        'tokenizer.json beside the checkpoint; the built-in tiny one for tiny-vocabulary models '
-        "and random weights), 'tiny' or 'file'")),
+        'tokenizer.json beside the checkpoint; the built-in tiny one for random weights), '
+        "'tiny' (the built-in one, also for a checkpoint trained with it) or 'file'")),
     'norm_stats_key': ('', _descriptor(
         "dataset key of the checkpoint's normalization stats (stats_by_repo), e.g. "
         "'synthmanip'; empty: the checkpoint's default_repo_id", _S)),
@@ -224,8 +227,8 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'kv_cache', 'instruction', 'gripper_index',
-                     'gripper_threshold', 'gripper_open', 'gripper_closed')
+                     'fused_action_expert', 'kv_cache', 'instruction')
+CONTRACT_PARAMETERS = ('gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
 def bucket_lengths(value) -> tuple[int, ...]:
@@ -256,38 +259,29 @@ def read_model_config(engine_config: dict):
 
 
 def check_robot_contract(model, camera_topics, joint_names, action_joint_names,
-                         gripper_index: int = -1) -> None:
-    """The robot's parameters against the model (`MolmoBotConfig`): camera k -> image k,
-    joints -> the state (zero-padded to state_dim), action dim k -> action joint k.
-
-    Raises:
-        ValueError naming the parameter: fewer than 2 or more than max_images camera topics
-            (upstream would silently drop the extra ones), more joint_names than state_dim,
-            more action_joint_names than action_dim, gripper_index outside the action dims.
-    """
-    if not 2 <= len(camera_topics) <= model.max_images:
-        raise ValueError(f'camera_topics has {len(camera_topics)} topics but the model takes '
-                         f'2 to max_images={model.max_images} images; list 2 to '
-                         f'{model.max_images} cameras (never dropped silently)')
-    if len(joint_names) > model.state_dim:
-        raise ValueError(f'joint_names has {len(joint_names)} joints but the model state has '
-                         f'state_dim={model.state_dim}')
-    if len(action_joint_names) > model.action_dim:
-        raise ValueError(f'action_joint_names has {len(action_joint_names)} joints but the '
-                         f'model acts in action_dim={model.action_dim}')
-    if not -1 <= gripper_index < model.action_dim:
-        raise ValueError(f'gripper_index={gripper_index} is not an action dimension of the '
-                         f'model (0..{model.action_dim - 1}, or -1 for off)')
+                         gripper_index: int = -1, gripper_threshold: float = 0.0,
+                         gripper_open: float = 0.0, gripper_closed: float = 1.0):
+    """The robot's parameters as a `preprocess.transforms.RobotContract` (camera k -> image k,
+    joints -> the state, action dim k -> action joint k, the gripper), checked against the
+    model (`MolmoBotConfig`). Raises ValueError naming the parameter (`RobotContract.check`)."""
+    from molmobot_policy.preprocess.transforms import RobotContract
+    contract = RobotContract(camera_names=tuple(camera_topics), joint_names=tuple(joint_names),
+                             action_joint_names=tuple(action_joint_names),
+                             gripper_index=gripper_index, gripper_threshold=gripper_threshold,
+                             gripper_open=gripper_open, gripper_closed=gripper_closed)
+    contract.check(model)
+    return contract
 
 
 class PolicyNode(LifecycleNode):
     """The MolmoBot policy as a ROS 2 lifecycle node (parameters: see PARAMETERS).
 
     Args:
-        engine_factory: callable(dict of EngineConfig fields) -> engine with `warmup()`,
+        engine_factory: callable(dict of EngineConfig fields and 'contract', the
+            `RobotContract` of the parameters) -> engine with `warmup()`,
             `predict(Observation) -> ActionChunk`, `check_instruction(str)` (raises
             ValueError for an instruction it cannot serve), `model_config`, `mode`, `close()`.
-            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields))`.
+            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields), contract=contract)`.
         **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides).
     """
 
@@ -318,6 +312,7 @@ class PolicyNode(LifecycleNode):
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
+        self.contract = None       # the RobotContract built at configure
         self.chunks_published_total = 0    # over every activation (chunks_published: this one)
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
@@ -403,7 +398,6 @@ class PolicyNode(LifecycleNode):
         from molmobot_policy.runtime.config import fused_action_expert_mode
         engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
             engine_config['fused_action_expert'])
-        engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()
         try:
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
@@ -418,15 +412,16 @@ class PolicyNode(LifecycleNode):
                 raise ValueError(f"max_step has {len(self._param('max_step'))} values; expected "
                                  f'0, 1 or {len(action_joints)} (one per action joint)')
             self._make_stitcher()       # raises ValueError on a bad smoothing / max_step
-            contract = (cameras, joints, action_joints, engine_config['gripper_index'])
             # before the (possibly long) weight load: the checkpoint's config.yaml only
-            check_robot_contract(read_model_config(engine_config), *contract)
+            contract = check_robot_contract(
+                read_model_config(engine_config), cameras, joints, action_joints,
+                **{name: self._param(name) for name in CONTRACT_PARAMETERS})
             self.get_logger().info(f"configuring: building engine (model "
                                    f"{engine_config['checkpoint_path'] or engine_config['model']!r}"
                                    f", device {engine_config['device']!r}, {len(cameras)} "
                                    'cameras)')
-            self.engine = self._engine_factory(engine_config)
-            check_robot_contract(self.engine.model_config, *contract)
+            self.engine = self._engine_factory({**engine_config, 'contract': contract})
+            self.contract = contract
             self._check_not_shut_down()
             self.get_logger().info('configuring: warming up the engine')
             self.engine.warmup(progress=self._warmup_progress)
@@ -676,7 +671,7 @@ class PolicyNode(LifecycleNode):
         # actions before the publish time are dropped; the publish time is the deadline
         # unless inference overran it
         publish_at = max(self._now(), tick.deadline)
-        actions = np.asarray(chunk.actions, dtype=np.float64)[:, :len(joint_names)]
+        actions = self.contract.joint_positions(np.asarray(chunk.actions, dtype=np.float64))
         stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
         self.dropped_actions += stitched.dropped
         if len(stitched) == 0:

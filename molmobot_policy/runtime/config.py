@@ -1,15 +1,17 @@
-"""`EngineConfig`: the inference engine's options (each also a node parameter of the same name)."""
+"""`EngineConfig`: the inference engine's options (each also a node parameter of the same name).
+The robot's side (cameras, joints, gripper) is the `preprocess.transforms.RobotContract` given
+to the engine beside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from molmobot_policy.preprocess.prompt import OVERLONG_MODES
 from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
-OVERLONG_MODES = ('error', 'truncate')
 FUSED_AE_MODES = ('auto', 'on', 'off')
 
 
@@ -24,8 +26,7 @@ def fused_action_expert_mode(value):
 
 @dataclass
 class EngineConfig:
-    """Engine options; each is also a node parameter of the same name, except num_cameras
-    (the node sets it from camera_topics).
+    """Engine options; each is also a node parameter of the same name.
 
     Attributes:
         model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
@@ -33,15 +34,15 @@ class EngineConfig:
         tokenizer_path: Qwen tokenizer.json (file or directory); default: beside the checkpoint.
         tokenizer: 'auto', 'tiny' or 'file' (`preprocess.tokenizer.resolve_tokenizer`): auto
             takes tokenizer_path / the tokenizer.json beside the checkpoint, else the built-in
-            tiny tokenizer for tiny-vocabulary models and random weights, else fails naming
-            the file needed.
+            tiny tokenizer for random weights (no checkpoint), else fails naming the file
+            needed; 'tiny' serves the built-in tokenizer to a checkpoint of its token ids.
+            Ignored when the engine is given a tokenizer object.
         norm_stats_key: dataset key of the checkpoint's normalization stats
             (`stats_by_repo`, e.g. 'synthmanip'); '' = the checkpoint's default_repo_id.
         device: 'cpu', 'cuda', 'cuda:1', ...
         dtype: serving dtype of the weights: 'float32', 'bfloat16' or 'float16'.
         seed: seed of the random weights (no checkpoint) and of the flow noise.
         flow_steps: Euler steps; 0 = the model config's (10 upstream).
-        num_cameras: images per observation; 0 = the model's max_images.
         compile: torch.compile every repeated block (inductor, regional compilation);
             note: compiles the (possibly shared) model in place. On CUDA, row reductions
             of up to PERSISTENT_ROW_LIMIT elements compile to one-pass kernels
@@ -67,8 +68,6 @@ class EngineConfig:
             runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
             the residual stream stays float32 in the kernel).
         instruction: default instruction, used when an observation carries none.
-        gripper_index, gripper_threshold, gripper_open, gripper_closed: optional binarisation
-            of one action dimension (index -1 = off), in robot units.
     """
 
     model: str = 'tiny'
@@ -80,7 +79,6 @@ class EngineConfig:
     dtype: str = 'float32'
     seed: int = 0
     flow_steps: int = 0
-    num_cameras: int = 0
     compile: bool = False
     cuda_graphs: bool = False
     kv_cache: bool = True
@@ -90,10 +88,6 @@ class EngineConfig:
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
     instruction: str = ''
-    gripper_index: int = -1
-    gripper_threshold: float = 0.0
-    gripper_open: float = 0.0
-    gripper_closed: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -105,9 +99,6 @@ class EngineConfig:
         if self.norm_stats_key and not self.checkpoint_path:
             raise ValueError(f'norm_stats_key={self.norm_stats_key!r} needs a checkpoint_path '
                              '(presets carry one set of stats)')
-        if self.gripper_index < -1:
-            raise ValueError(f'gripper_index must be -1 (off) or an action dimension, got '
-                             f'{self.gripper_index}')
         self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
         if self.fused_action_expert not in FUSED_AE_MODES:
             raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
