@@ -1,6 +1,7 @@
 """A checkpoint served through the engine: the golden cases end to end (raw images, raw state,
 instruction -> our preprocessing -> model -> unnormalized actions), the tokenizer the engine
-picks, and the normalization stats key. Golden data: ../shared/golden/molmobot_tiny/README.md
+picks, the normalization stats key and the checkpoint's image geometry. The golden checkpoint
+ships no tokenizer.json: it is served with the built-in tiny tokenizer, chosen explicitly. Golden data: ../shared/golden/molmobot_tiny/README.md
 (sections 5, 7 and 8)."""
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def case(request):
 
 @pytest.fixture(scope='module')
 def golden_engine(case):
-    return PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), device='cpu', dtype='float32'),
-                        contract=contract(CASES[case['name']]))
+    return PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), tokenizer='tiny', device='cpu',
+                                     dtype='float32'), contract=contract(CASES[case['name']]))
 
 
 def contract(cameras: int = 2, **gripper) -> RobotContract:
@@ -129,9 +130,34 @@ def test_engine_reproduces_golden_unnormalized_actions(golden_engine, case):
 
 
 # ------------------------------------------------------------------ tokenizer choice
-def test_auto_tokenizer_is_the_tiny_one_for_a_tiny_vocabulary_checkpoint():
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN)))
+def test_auto_tokenizer_refuses_a_tiny_vocabulary_checkpoint_without_tokenizer_json():
+    """Another tokenizer of the tiny vocabulary size would tokenize every instruction
+    differently with no sign of it: the checkpoint must bring its tokenizer.json, or the
+    built-in one must be chosen explicitly."""
+    with pytest.raises(FileNotFoundError) as error:
+        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN)))
+    message = str(error.value)
+    assert str(GOLDEN / 'tokenizer.json') in message and 'tokenizer_path' in message
+    assert "'tiny'" in message
+
+
+def test_explicit_tiny_tokenizer_serves_a_tiny_vocabulary_checkpoint():
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), tokenizer='tiny'))
     assert engine.tokenizer.source == 'tiny'
+
+
+def test_engine_takes_a_tokenizer_object(case):
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN)),
+                          tokenizer=tiny_tokenizer(TokenIds.for_vocab(512, 320, 321, 322)),
+                          contract=contract(CASES[case['name']]))
+    text = engine.text_inputs(str(case['instruction']))
+    np.testing.assert_array_equal(text.input_ids, case['input_ids'][0])
+
+
+def test_a_tokenizer_object_with_other_special_ids_is_refused(qwen_checkpoint):
+    with pytest.raises(ValueError, match=r'<\|endoftext\|> has id 320.*151643'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint)),
+                     tokenizer=tiny_tokenizer())
 
 
 def test_tokenizer_json_beside_the_checkpoint_is_preferred(tmp_path):
@@ -189,8 +215,9 @@ def test_unknown_tokenizer_mode_is_rejected_by_name():
 # ------------------------------------------------------------------ normalization stats key
 def test_norm_stats_key_selects_that_datasets_statistics(tmp_path):
     directory = write_checkpoint(tmp_path / 'ckpt', with_stats(golden_config(), 'droid', 2.0))
-    default = PolicyEngine(EngineConfig(checkpoint_path=str(directory)))
-    chosen = PolicyEngine(EngineConfig(checkpoint_path=str(directory), norm_stats_key='droid'))
+    default = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny'))
+    chosen = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny',
+                                       norm_stats_key='droid'))
     chosen, default = chosen.preprocessor.transforms, default.preprocessor.transforms
     np.testing.assert_allclose(chosen.action_normalizer.q99, 2.0 * default.action_normalizer.q99,
                                rtol=1e-6)
@@ -234,7 +261,7 @@ def test_actions_are_unnormalized_with_the_postprocessor_statistics(tmp_path):
     post = config['model']['robot_postprocessor']['stats_by_repo']['synthmanip']['action']
     post['q99'] = [v + 1.0 for v in post['q99']]
     directory = write_checkpoint(tmp_path / 'ckpt', config)
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory)))
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny'))
     np.testing.assert_allclose(engine.preprocessor.transforms.action_normalizer.q99,
                                np.float32(post['q99']))
 

@@ -190,8 +190,10 @@ def test_droid_file_targets_a_compiled_bfloat16_cuda_engine():
 
 @needs_golden
 def test_droid_file_configures_with_a_checkpoint_of_its_shape_on_the_cpu(make_node):
-    cpu = {'checkpoint_path': str(GOLDEN), 'device': 'cpu', 'dtype': 'float32',
-           'compile': False, 'cuda_graphs': False, 'gripper_threshold': 128.0}
+    # the golden checkpoint ships no tokenizer.json: its built-in tiny tokenizer, explicitly
+    cpu = {'checkpoint_path': str(GOLDEN), 'tokenizer': 'tiny', 'device': 'cpu',
+           'dtype': 'float32', 'compile': False, 'cuda_graphs': False,
+           'gripper_threshold': 128.0}
     node = make_node({**droid_parameters(), **cpu, 'autostart': False})
     assert node.configure() == TransitionCallbackReturn.SUCCESS, node.logger.errors
     engine = node.node.engine

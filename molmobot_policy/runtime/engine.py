@@ -30,8 +30,8 @@ import torch
 from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.model.molmobot import euler_flow
 from molmobot_policy.preprocess.pipeline import ModelInputs, Preprocessor
-from molmobot_policy.preprocess.prompt import TextInputs
-from molmobot_policy.preprocess.tokenizer import resolve_tokenizer
+from molmobot_policy.preprocess.prompt import Encoder, TextInputs
+from molmobot_policy.preprocess.tokenizer import check_tokenizer, resolve_tokenizer
 from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.runtime.config import DTYPES, EngineConfig
 from molmobot_policy.runtime.graphs import StaticRunner
@@ -52,6 +52,9 @@ class PolicyEngine:
             benchmarks); its dtype/device must match the config.
         contract: the robot (cameras, joints, gripper); default
             `RobotContract.numbered(max_images, state_dim)` of the model.
+        tokenizer: optional tokenizer object (anything with `encode(text) -> list[int]`, e.g.
+            `preprocess.tokenizer.tiny_tokenizer()`), used instead of `config.tokenizer`; one
+            with `token_to_id` has its special ids checked (`check_tokenizer`).
 
     Raises:
         ValueError / FileNotFoundError: bad configuration (named field), a contract that does
@@ -59,7 +62,8 @@ class PolicyEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, *,
-                 contract: RobotContract | None = None) -> None:
+                 contract: RobotContract | None = None, tokenizer: Encoder | None = None
+                 ) -> None:
         from molmobot_policy.model import checkpoint as ckpt
 
         self.config = config
@@ -74,8 +78,13 @@ class PolicyEngine:
         else:
             self.model_config = MolmoBotConfig.from_name(config.model)
         mcfg = self.model_config
-        self.tokenizer = resolve_tokenizer(config.tokenizer, mcfg.tokens, config.tokenizer_path,
-                                           config.checkpoint_path)
+        if tokenizer is None:
+            tokenizer = resolve_tokenizer(config.tokenizer, mcfg.tokens, config.tokenizer_path,
+                                          config.checkpoint_path)
+        elif hasattr(tokenizer, 'token_to_id'):
+            check_tokenizer(tokenizer, mcfg.tokens, getattr(tokenizer, 'source', '') or
+                            'the given tokenizer')
+        self.tokenizer = tokenizer
         self.preprocessor = Preprocessor(mcfg, self.tokenizer, contract,
                                          buckets=config.buckets, overlong=config.overlong,
                                          device=self.device)
