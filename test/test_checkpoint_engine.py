@@ -1,8 +1,8 @@
 """A checkpoint served through the engine: the golden cases end to end (raw images, raw state,
 instruction -> our preprocessing -> model -> unnormalized actions), the tokenizer the engine
 picks, the normalization stats key and the checkpoint's image geometry. The golden checkpoint
-ships no tokenizer.json: it is served with the built-in tiny tokenizer, chosen explicitly. Golden data: ../shared/golden/molmobot_tiny/README.md
-(sections 5, 7 and 8)."""
+ships no tokenizer.json: it is served with the built-in tiny tokenizer, chosen explicitly.
+Golden data: ../shared/golden/molmobot_tiny/README.md (sections 5, 7 and 8)."""
 from __future__ import annotations
 
 import copy
