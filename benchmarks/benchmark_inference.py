@@ -46,8 +46,8 @@ from molmobot_policy.model.checkpoint import random_model  # noqa: E402
 from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.model.molmobot import MolmoBot  # noqa: E402
 import molmobot_policy.runtime.compile as engine_module  # noqa: E402  (PERSISTENT_ROW_LIMIT)
-from molmobot_policy.runtime.engine import (EngineConfig, PolicyEngine,  # noqa: E402
-                                            suggested_buckets)
+from molmobot_policy.preprocess.prompt import suggested_buckets  # noqa: E402
+from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine  # noqa: E402
 from molmobot_policy.types import Observation  # noqa: E402
 
 INSTRUCTION = 'pick up the red cube and put it in the bowl'
