@@ -43,6 +43,36 @@ log = logging.getLogger('molmobot_policy.engine')
 WARMUP_FRAME = (480, 640)     # pixels of the random frames the warm-up serves
 
 
+def _model_config(config: EngineConfig) -> MolmoBotConfig:
+    """The checkpoint's config.yaml (no weights read) or the preset."""
+    if config.checkpoint_path:
+        from molmobot_policy.model.checkpoint import load_config
+        return load_config(config.checkpoint_path, norm_stats_key=config.norm_stats_key or None)
+    return MolmoBotConfig.from_name(config.model)
+
+
+def _tokenizer(config: EngineConfig, model: MolmoBotConfig, given: Encoder | None) -> Encoder:
+    """`given` (its special ids checked where it has token_to_id), else the one that
+    config.tokenizer names (`resolve_tokenizer`)."""
+    if given is None:
+        return resolve_tokenizer(config.tokenizer, model.tokens, config.tokenizer_path,
+                                 config.checkpoint_path)
+    if hasattr(given, 'token_to_id'):
+        check_tokenizer(given, model.tokens, getattr(given, 'source', '') or 'the given tokenizer')
+    return given
+
+
+def _load_model(config: EngineConfig, model: MolmoBotConfig):
+    """The checkpoint's weights, or the preset's seeded random weights, on the serving device
+    in the serving dtype."""
+    from molmobot_policy.model import checkpoint as ckpt
+    device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    if config.checkpoint_path:
+        return ckpt.load_checkpoint(config.checkpoint_path, device=device, dtype=dtype,
+                                    norm_stats_key=config.norm_stats_key or None)[0]
+    return ckpt.random_model(model, config.seed, device, dtype)
+
+
 class PolicyEngine:
     """Serves one MolmoBot model: `predict(observation) -> ActionChunk`.
 
@@ -64,28 +94,15 @@ class PolicyEngine:
     def __init__(self, config: EngineConfig, model=None, *,
                  contract: RobotContract | None = None, tokenizer: Encoder | None = None
                  ) -> None:
-        from molmobot_policy.model import checkpoint as ckpt
-
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         start = time.perf_counter()
-        if model is not None:
-            self.model_config = model.config
-        elif config.checkpoint_path:       # config.yaml only: check everything before the load
-            self.model_config = ckpt.load_config(config.checkpoint_path,
-                                                 norm_stats_key=config.norm_stats_key or None)
-        else:
-            self.model_config = MolmoBotConfig.from_name(config.model)
-        mcfg = self.model_config
-        if tokenizer is None:
-            tokenizer = resolve_tokenizer(config.tokenizer, mcfg.tokens, config.tokenizer_path,
-                                          config.checkpoint_path)
-        elif hasattr(tokenizer, 'token_to_id'):
-            check_tokenizer(tokenizer, mcfg.tokens, getattr(tokenizer, 'source', '') or
-                            'the given tokenizer')
-        self.tokenizer = tokenizer
-        self.preprocessor = Preprocessor(mcfg, self.tokenizer, contract,
+        # load: the config first (a checkpoint's config.yaml), so that the tokenizer, the
+        # contract and the prompts are checked before the weights are read
+        self.model_config = model.config if model is not None else _model_config(config)
+        self.tokenizer = _tokenizer(config, self.model_config, tokenizer)
+        self.preprocessor = Preprocessor(self.model_config, self.tokenizer, contract,
                                          buckets=config.buckets, overlong=config.overlong,
                                          device=self.device)
         self.contract = self.preprocessor.contract
@@ -94,16 +111,10 @@ class PolicyEngine:
                 self.check_instruction(config.instruction)
             except ValueError as error:
                 raise ValueError(f'configured instruction: {error}') from None
-        self.flow_steps = config.flow_steps or mcfg.flow_steps
-        if model is not None:
-            self.model = model
-        elif config.checkpoint_path:
-            self.model, _ = ckpt.load_checkpoint(config.checkpoint_path, device=self.device,
-                                                 dtype=self.dtype,
-                                                 norm_stats_key=config.norm_stats_key or None)
-        else:
-            self.model = ckpt.random_model(mcfg, config.seed, self.device, self.dtype)
+        self.flow_steps = config.flow_steps or self.model_config.flow_steps
+        self.model = model if model is not None else _load_model(config, self.model_config)
         self.load_seconds = time.perf_counter() - start
+        # prepare: every serving change to the model, once
         self.served = prepare_for_serving(self.model, config, self.flow_steps)
         self._query_fn = self._make_query_fn()
         self._runners: dict[int, StaticRunner] = {}
