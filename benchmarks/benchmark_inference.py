@@ -41,7 +41,7 @@ import torch
 import common
 from molmobot_policy.model.checkpoint import random_model
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.runtime.engine import suggested_buckets
+from molmobot_policy.preprocess.prompt import suggested_buckets
 from molmobot_policy.types import Observation
 
 

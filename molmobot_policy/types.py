@@ -12,11 +12,12 @@ class Observation:
     """One synchronized robot observation, the single input of `PolicyEngine.predict`.
 
     Attributes:
-        images: one uint8 RGB array of shape (H, W, 3) per camera, in the model's image
-            order (camera k becomes "Image k+1"). Cameras may differ in size.
-        state: float32 array (n_joints,), raw robot units (rad for revolute joints), in the
-            order of the configured joint names; n_joints <= the model's state_dim (the
-            engine zero-pads the normalized state to state_dim).
+        images: one uint8 RGB array of shape (H, W, 3) per camera of the robot contract
+            (`preprocess.transforms.RobotContract.camera_names`), in that order (camera k
+            becomes "Image k+1"). Cameras may differ in size.
+        state: float32 array (n_joints,), raw robot units (rad for revolute joints), the
+            positions of the contract's joint_names in that order (n_joints <= the model's
+            state_dim: the engine zero-pads the normalized state to state_dim).
         instruction: the task text, e.g. "pick up the red cube".
         stamp: seconds, ROS time; the oldest sensor header stamp that went into this
             observation (the age of the observation is measured from it).

@@ -1,7 +1,8 @@
 """A checkpoint served through the engine: the golden cases end to end (raw images, raw state,
 instruction -> our preprocessing -> model -> unnormalized actions), the tokenizer the engine
-picks, and the normalization stats key. Golden data: ../shared/golden/molmobot_tiny/README.md
-(sections 5, 7 and 8)."""
+picks, the normalization stats key and the checkpoint's image geometry. The golden checkpoint
+ships no tokenizer.json: it is served with the built-in tiny tokenizer, chosen explicitly.
+Golden data: ../shared/golden/molmobot_tiny/README.md (sections 5, 7 and 8)."""
 from __future__ import annotations
 
 import copy
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer, models
 from molmobot_policy.model.checkpoint import config_from_upstream, load_config, random_model
 from molmobot_policy.model.config import TokenIds
 from molmobot_policy.preprocess.tokenizer import TextTokenizer, resolve_tokenizer, tiny_tokenizer
+from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
 from molmobot_policy.types import Observation
 
@@ -38,8 +40,13 @@ def case(request):
 
 @pytest.fixture(scope='module')
 def golden_engine(case):
-    return PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=CASES[case['name']],
-                                     device='cpu', dtype='float32'))
+    return PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), tokenizer='tiny', device='cpu',
+                                     dtype='float32'), contract=contract(CASES[case['name']]))
+
+
+def contract(cameras: int = 2, **gripper) -> RobotContract:
+    """The golden robot: `cameras` cameras, 7 arm joints + the gripper."""
+    return RobotContract.numbered(cameras, 8, **gripper)
 
 
 def golden_observation(case) -> Observation:
@@ -99,11 +106,12 @@ def qwen_like_tokenizer_json(path: Path, bos: int = 151643) -> Path:
 # ------------------------------------------------------------------ golden, end to end
 def test_engine_builds_the_golden_prompt_ids_with_the_tiny_tokenizer(golden_engine, case):
     text = golden_engine.text_inputs(str(case['instruction']))
-    np.testing.assert_array_equal(text.input_ids.numpy(), case['input_ids'])
+    np.testing.assert_array_equal(text.input_ids, case['input_ids'][0])
+    np.testing.assert_array_equal(text.token_pooling, case['token_pooling'][0])
 
 
 def test_engine_normalizes_the_raw_state_like_upstream(golden_engine, case):
-    normalized = golden_engine.state_normalizer.normalize(case['state_raw'])
+    normalized = golden_engine.preprocessor.transforms.normalize_state(case['state_raw'])
     np.testing.assert_allclose(normalized, case['states'][0, 0], rtol=0, atol=1e-6)
 
 
@@ -122,22 +130,47 @@ def test_engine_reproduces_golden_unnormalized_actions(golden_engine, case):
 
 
 # ------------------------------------------------------------------ tokenizer choice
-def test_auto_tokenizer_is_the_tiny_one_for_a_tiny_vocabulary_checkpoint():
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2))
+def test_auto_tokenizer_refuses_a_tiny_vocabulary_checkpoint_without_tokenizer_json():
+    """Another tokenizer of the tiny vocabulary size would tokenize every instruction
+    differently with no sign of it: the checkpoint must bring its tokenizer.json, or the
+    built-in one must be chosen explicitly."""
+    with pytest.raises(FileNotFoundError) as error:
+        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN)))
+    message = str(error.value)
+    assert str(GOLDEN / 'tokenizer.json') in message and 'tokenizer_path' in message
+    assert "'tiny'" in message
+
+
+def test_explicit_tiny_tokenizer_serves_a_tiny_vocabulary_checkpoint():
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), tokenizer='tiny'))
     assert engine.tokenizer.source == 'tiny'
+
+
+def test_engine_takes_a_tokenizer_object(case):
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN)),
+                          tokenizer=tiny_tokenizer(TokenIds.for_vocab(512, 320, 321, 322)),
+                          contract=contract(CASES[case['name']]))
+    text = engine.text_inputs(str(case['instruction']))
+    np.testing.assert_array_equal(text.input_ids, case['input_ids'][0])
+
+
+def test_a_tokenizer_object_with_other_special_ids_is_refused(qwen_checkpoint):
+    with pytest.raises(ValueError, match=r'<\|endoftext\|> has id 320.*151643'):
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint)),
+                     tokenizer=tiny_tokenizer())
 
 
 def test_tokenizer_json_beside_the_checkpoint_is_preferred(tmp_path):
     directory = write_checkpoint(tmp_path / 'ckpt', golden_config())
     tiny_tokenizer().save(directory / 'tokenizer.json')
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory)))
     assert engine.tokenizer.source == str(directory / 'tokenizer.json')
 
 
 def test_real_vocabulary_checkpoint_without_tokenizer_json_fails_naming_the_file(
         qwen_checkpoint):
     with pytest.raises(FileNotFoundError) as error:
-        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2))
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint)))
     message = str(error.value)
     assert str(qwen_checkpoint / 'tokenizer.json') in message
     assert 'tokenizer_path' in message
@@ -146,30 +179,27 @@ def test_real_vocabulary_checkpoint_without_tokenizer_json_fails_naming_the_file
 def test_real_vocabulary_checkpoint_loads_the_tokenizer_path_it_is_given(qwen_checkpoint,
                                                                          tmp_path):
     path = qwen_like_tokenizer_json(tmp_path / 'tokenizer.json')
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint),
                                        tokenizer_path=str(path)))
     assert engine.tokenizer.source == str(path)
-    assert engine.text_inputs('pick up').input_ids[0, 0] == 151643   # BOS = <|endoftext|>
+    assert engine.text_inputs('pick up').input_ids[0] == 151643   # BOS = <|endoftext|>
 
 
 def test_tokenizer_special_ids_are_checked_against_the_checkpoint(qwen_checkpoint, tmp_path):
     path = qwen_like_tokenizer_json(tmp_path / 'tokenizer.json', bos=151000)
     with pytest.raises(ValueError, match='<\\|endoftext\\|>.*151000.*151643'):
-        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
-                                  tokenizer_path=str(path)))
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), tokenizer_path=str(path)))
 
 
 def test_tiny_tokenizer_is_refused_for_a_real_vocabulary_checkpoint(qwen_checkpoint):
     with pytest.raises(ValueError, match='tokenizer=tiny'):
-        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), num_cameras=2,
-                                  tokenizer='tiny'))
+        PolicyEngine(EngineConfig(checkpoint_path=str(qwen_checkpoint), tokenizer='tiny'))
 
 
 def test_file_tokenizer_mode_needs_a_tokenizer_json(tmp_path):
     directory = write_checkpoint(tmp_path / 'ckpt', golden_config())
     with pytest.raises(FileNotFoundError, match='tokenizer.json'):
-        PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
-                                  tokenizer='file'))
+        PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='file'))
 
 
 def test_random_weights_get_the_tiny_tokenizer_whatever_the_vocabulary():
@@ -185,27 +215,26 @@ def test_unknown_tokenizer_mode_is_rejected_by_name():
 # ------------------------------------------------------------------ normalization stats key
 def test_norm_stats_key_selects_that_datasets_statistics(tmp_path):
     directory = write_checkpoint(tmp_path / 'ckpt', with_stats(golden_config(), 'droid', 2.0))
-    default = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
-    chosen = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
+    default = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny'))
+    chosen = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny',
                                        norm_stats_key='droid'))
-    np.testing.assert_allclose(chosen.action_normalizer.q99,
-                               2.0 * default.action_normalizer.q99, rtol=1e-6)
-    np.testing.assert_allclose(chosen.state_normalizer.q01,
-                               2.0 * default.state_normalizer.q01, rtol=1e-6)
+    chosen, default = chosen.preprocessor.transforms, default.preprocessor.transforms
+    np.testing.assert_allclose(chosen.action_normalizer.q99, 2.0 * default.action_normalizer.q99,
+                               rtol=1e-6)
+    np.testing.assert_allclose(chosen.state_normalizer.q01, 2.0 * default.state_normalizer.q01,
+                               rtol=1e-6)
 
 
 def test_unknown_norm_stats_key_fails_listing_the_keys_there_are():
     with pytest.raises(ValueError, match="'droid'.*norm_stats_key.*\\['synthmanip'\\]"):
-        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2,
-                                  norm_stats_key='droid'))
+        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), norm_stats_key='droid'))
 
 
 def test_norm_stats_key_with_the_wrong_action_width_fails_naming_key_and_width(tmp_path):
     config = with_stats(golden_config(), 'seven', action_dims=7)
     directory = write_checkpoint(tmp_path / 'ckpt', config)
     with pytest.raises(ValueError, match="action stats of 'seven' have 7 entries.*action_dim = 8"):
-        PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2,
-                                  norm_stats_key='seven'))
+        PolicyEngine(EngineConfig(checkpoint_path=str(directory), norm_stats_key='seven'))
 
 
 def test_norm_stats_key_needs_a_checkpoint():
@@ -214,16 +243,10 @@ def test_norm_stats_key_needs_a_checkpoint():
 
 
 # ------------------------------------------------------------------ gripper
-def test_gripper_index_outside_the_action_dims_is_refused_at_construction():
-    with pytest.raises(ValueError, match='gripper_index=8 is not an action dimension'):
-        PolicyEngine(EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=2, gripper_index=8))
-
-
 def test_golden_gripper_on_its_0_to_255_scale_is_thresholded_at_128(golden_engine, case):
-    gripper = EngineConfig(checkpoint_path=str(GOLDEN), num_cameras=CASES[case['name']],
-                           gripper_index=7, gripper_threshold=128.0, gripper_open=0.0,
-                           gripper_closed=1.0)
-    engine = PolicyEngine(gripper, model=golden_engine.model)
+    gripper = contract(CASES[case['name']], gripper_index=7, gripper_threshold=128.0,
+                       gripper_open=0.0, gripper_closed=1.0)
+    engine = PolicyEngine(golden_engine.config, model=golden_engine.model, contract=gripper)
     chunk = engine.predict(golden_observation(case), noise=case['flow_noise'][0])
     expected = (case['actions_unnormalized'][:, 7] >= 128.0).astype(np.float32)
     np.testing.assert_array_equal(chunk.actions[:, 7], expected)
@@ -238,11 +261,58 @@ def test_actions_are_unnormalized_with_the_postprocessor_statistics(tmp_path):
     post = config['model']['robot_postprocessor']['stats_by_repo']['synthmanip']['action']
     post['q99'] = [v + 1.0 for v in post['q99']]
     directory = write_checkpoint(tmp_path / 'ckpt', config)
-    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), num_cameras=2))
-    np.testing.assert_allclose(engine.action_normalizer.q99, np.float32(post['q99']))
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(directory), tokenizer='tiny'))
+    np.testing.assert_allclose(engine.preprocessor.transforms.action_normalizer.q99,
+                               np.float32(post['q99']))
 
 
 def test_load_config_reads_the_config_without_weights(tmp_path):
     (tmp_path / 'config.yaml').write_text((GOLDEN / 'config.yaml').read_text())
     cfg = load_config(tmp_path, norm_stats_key='synthmanip')
     assert (cfg.max_images, cfg.state_dim, cfg.action_dim) == (8, 8, 8)
+
+
+# ------------------------------------------------------------------ image geometry
+@pytest.fixture(scope='module')
+def geometry_checkpoint(tmp_path_factory) -> Path:
+    """The golden architecture with another ViT input size and pooling window: 224 x 224
+    images (16 x 16 patches of 14) pooled in 3 x 2 windows; the project's random weights,
+    saved in the upstream format (config.yaml + model.pt)."""
+    config = golden_config()
+    vit = config['model']['vision_backbone']['vit']
+    vit['image_default_input_size'], vit['image_num_pos'] = [224, 224], 16 * 16
+    image = config['model']['mm_preprocessor']['image']
+    image['multi_image_pooling_h'], image['multi_image_pooling_w'] = 3, 2
+    model = random_model(config_from_upstream(config), seed=0)
+    return write_checkpoint(tmp_path_factory.mktemp('geometry_ckpt'), config, model.state_dict())
+
+
+def test_checkpoint_image_size_and_pooling_reach_prompt_pooling_and_patches(geometry_checkpoint):
+    """By the upstream rules (molmobot_model.md sections 1-3), by hand: 224 / 14 = 16 patches
+    per side, the grid padded to 18 x 16 (multiples of 3 and 2, pad index -1), 6 x 8 = 48
+    pooled tokens per image; token r * 8 + c pools rows 3r..3r+2 x columns 2c..2c+1,
+    row-major, of the image's 256 patches (offset 256 per image)."""
+    engine = PolicyEngine(EngineConfig(checkpoint_path=str(geometry_checkpoint), tokenizer='tiny'),
+                          contract=contract(2))
+    tokens = engine.model_config.tokens
+    text = engine.text_inputs('pick up the red cube')
+    ids = text.input_ids
+    # BOS, "Image 1" (2 tiny tokens), <im_start> at 3, 48 x <im_patch>, <im_end>, "Image 2" ...
+    np.testing.assert_array_equal(np.flatnonzero(ids == tokens.im_start), [3, 55])
+    np.testing.assert_array_equal(text.image_positions,
+                                  np.concatenate([np.arange(4, 52), np.arange(56, 104)]))
+    assert (ids == tokens.im_patch).sum() == 2 * 48
+    pooling = text.token_pooling
+    assert pooling.shape == (2 * 48, 6)
+    assert pooling[0].tolist() == [0, 1, 16, 17, 32, 33]
+    assert pooling[7].tolist() == [14, 15, 30, 31, 46, 47]            # last column pair
+    assert pooling[40].tolist() == [240, 241, -1, -1, -1, -1]         # row 15, then padding
+    assert pooling[48 + 47].tolist() == [256 + 254, 256 + 255, -1, -1, -1, -1]
+    rng = np.random.default_rng(0)
+    observation = Observation(
+        images=tuple(rng.integers(0, 256, (120, 160, 3), dtype=np.uint8) for _ in range(2)),
+        state=rng.uniform(-1, 1, 8).astype(np.float32), instruction='pick up the red cube')
+    assert engine.preprocessor(observation).images.shape == (1, 2, 16 * 16, 14 * 14 * 3)
+    engine.warmup()
+    chunk = engine.predict(observation)
+    assert chunk.actions.shape == (16, 8) and np.isfinite(chunk.actions).all()

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
 from molmobot_policy.types import Observation
 
@@ -12,7 +13,7 @@ INSTRUCTION = 'pick up the red cube'
 
 
 def observation(cameras: int = 8, size=(48, 64), seed: int = 0, instruction: str = INSTRUCTION,
-                joints: int = 7) -> Observation:
+                joints: int = 8) -> Observation:
     rng = np.random.default_rng(seed)
     images = tuple(rng.integers(0, 256, (*size, 3), dtype=np.uint8) for _ in range(cameras))
     state = rng.uniform(-1, 1, joints).astype(np.float32)
@@ -68,16 +69,36 @@ def test_images_change_the_actions(engine):
 
 
 def test_wrong_camera_count_is_rejected(engine):
-    with pytest.raises(ValueError, match='expects 8'):
+    with pytest.raises(ValueError, match='observation has 7 images, the robot contract has 8'):
         engine.predict(observation(cameras=7))
 
 
-def test_non_uint8_image_is_rejected_with_its_index(engine):
+def test_non_uint8_image_is_rejected_naming_its_camera(engine):
     obs = observation()
     images = list(obs.images)
     images[2] = images[2].astype(np.float32)
-    with pytest.raises(ValueError, match='image 2'):
+    with pytest.raises(ValueError, match="image of camera 'camera_2'.*uint8"):
         engine.predict(Observation(images=tuple(images), state=obs.state, instruction=INSTRUCTION))
+
+
+def test_state_of_another_joint_count_is_rejected(engine):
+    with pytest.raises(ValueError, match=r'state must have shape \(8,\)'):
+        engine.predict(observation(joints=7))
+
+
+def test_fewer_joints_than_the_state_width_are_zero_padded(engine):
+    """A contract of 7 joints on the 8-wide tiny state: the 8th state dimension is zero in
+    normalized space, as if that joint sat at its (q01 + q99) / 2."""
+    joints = PolicyEngine(EngineConfig(model='tiny'), model=engine.model,
+                          contract=RobotContract.numbered(8, 7))
+    obs = observation(joints=7)
+    stats = engine.model_config.norm_stats
+    middle = (np.float32(stats.state_q01[7]) + np.float32(stats.state_q99[7])) / 2
+    full = Observation(images=obs.images, state=np.append(obs.state, middle),
+                       instruction=INSTRUCTION)
+    np.testing.assert_allclose(joints.predict(obs, noise=noise(engine)).actions_normalized,
+                               engine.predict(full, noise=noise(engine)).actions_normalized,
+                               atol=1e-5)
 
 
 def test_non_finite_state_is_rejected(engine):
@@ -94,8 +115,8 @@ def test_empty_instruction_is_rejected(engine):
 
 
 def test_more_cameras_than_the_checkpoint_allows_is_refused():
-    with pytest.raises(ValueError, match='max_images'):
-        PolicyEngine(EngineConfig(model='tiny', num_cameras=9))
+    with pytest.raises(ValueError, match='9 cameras.*max_images=8'):
+        PolicyEngine(EngineConfig(model='tiny'), contract=RobotContract.numbered(9, 8))
 
 
 def test_kv_cache_and_recomputed_context_give_identical_actions():
@@ -112,7 +133,7 @@ def test_padded_prompt_matches_unpadded_within_float_noise(engine):
     obs = observation()
     n = noise(engine)
     text = padded.text_inputs(INSTRUCTION)
-    assert text.bucket == 2048 and text.input_ids.shape == (1, 2048)
+    assert text.bucket == 2048 and text.input_ids.shape == (2048,)
     assert int(text.attention_mask.sum()) == text.length < 2048
     a = engine.predict(obs, noise=n).actions_normalized
     b = padded.predict(obs, noise=n).actions_normalized
@@ -219,10 +240,36 @@ def test_overlong_instruction_without_buckets_is_truncated_to_the_model_limit(en
 
 
 def test_gripper_threshold_binarises_one_dimension(engine):
-    e = PolicyEngine(EngineConfig(model='tiny', gripper_index=7, gripper_threshold=128.0,
-                                  gripper_open=0.0, gripper_closed=1.0), model=engine.model)
-    actions = e.predict(observation()).actions
-    assert set(np.unique(actions[:, 7])) <= {0.0, 1.0}
+    contract = RobotContract.numbered(8, 8, gripper_index=7, gripper_threshold=128.0,
+                                      gripper_open=-1.0, gripper_closed=2.0)
+    e = PolicyEngine(EngineConfig(model='tiny'), model=engine.model, contract=contract)
+    chunk = e.predict(observation(), noise=noise(engine))
+    plain = engine.predict(observation(), noise=noise(engine))
+    expected = np.where(plain.actions[:, 7] >= 128.0, 2.0, -1.0)
+    np.testing.assert_array_equal(chunk.actions[:, 7], expected)
+    np.testing.assert_array_equal(chunk.actions[:, :7], plain.actions[:, :7])
+
+
+def test_gripper_index_outside_the_action_dims_is_refused_at_construction(engine):
+    with pytest.raises(ValueError, match=r'gripper_index=8 is not an action dimension.*0\.\.7'):
+        PolicyEngine(EngineConfig(model='tiny'), model=engine.model,
+                     contract=RobotContract.numbered(8, 8, gripper_index=8))
+
+
+def test_engine_serves_the_reference_model_within_float_rounding(engine):
+    """The served path (prepared model, K/V cache, precomputed conditioning) against
+    `MolmoBot.generate_actions` of the same weights unprepared, fed the engine's inputs."""
+    from molmobot_policy.model.checkpoint import random_model
+    reference = random_model(engine.model_config, seed=0)
+    obs = observation()
+    inputs = engine.preprocessor(obs)
+    with torch.no_grad():
+        expected = reference.generate_actions(
+            inputs.input_ids, inputs.images, inputs.token_pooling, inputs.states,
+            noise=torch.as_tensor(noise(engine))[None], position_ids=inputs.position_ids,
+            attention_mask=inputs.attention_mask)
+    np.testing.assert_allclose(engine.predict(obs, noise=noise(engine)).actions_normalized,
+                               expected[0].numpy(), atol=1e-5)
 
 
 def test_cuda_graphs_need_buckets_and_a_cuda_device():
@@ -267,7 +314,7 @@ def test_fused_action_expert_takes_booleans_as_on_off():
 
 def test_fused_action_expert_auto_falls_back_to_the_blocks_on_cpu_and_says_why():
     e = PolicyEngine(EngineConfig(model='tiny', compile=True, buckets=(2048,)))
-    assert e._fused_blocks is None
+    assert e.served.action_expert.fused_steps is None
     assert e.mode['fused_action_expert'] == 'off (needs a CUDA device, serving on cpu)'
 
 
@@ -328,7 +375,7 @@ def test_engine_blocks_compile_with_one_pass_row_reductions_whoever_calls_them_f
     """With a row limit, every compiled block and glue piece carries the widened heuristic
     itself (`compile_module_`), so a first call from outside the engine's query compiles the
     served kernels too; without one (the CPU's default), Inductor's own heuristic."""
-    from molmobot_policy.runtime.engine import (compile_action_expert_glue_,
+    from molmobot_policy.runtime.compile import (compile_action_expert_glue_,
                                                 compile_repeated_blocks_)
 
     torch._dynamo.reset()
@@ -349,7 +396,7 @@ def test_engine_blocks_compile_with_one_pass_row_reductions_whoever_calls_them_f
 
 def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics():
     from torch._inductor.virtualized import V
-    from molmobot_policy.runtime.engine import wide_row_reductions
+    from molmobot_policy.runtime.compile import wide_row_reductions
     seen = []
 
     def fn(x):
@@ -365,21 +412,23 @@ def test_wide_row_reductions_returns_the_result_and_restores_inductor_heuristics
 
 
 def test_compiled_vit_blocks_with_stacked_qkv_share_one_graph():
-    """Regional compile traces one ViT block and reuses it for all: the q|k|v stack is a
-    graph input like the parameters, not a per-block constant (no recompile per block)."""
+    """Regional compile traces one ViT block and reuses it for all: the served q|k|v stack
+    is a graph input like the parameters, not a per-block constant (no recompile per block)."""
     from torch._dynamo.utils import counters
     from molmobot_policy.model.checkpoint import random_model
     from molmobot_policy.model.config import MolmoBotConfig
+    from molmobot_policy.runtime.serving import prepare_for_serving
 
     torch._dynamo.reset()
-    vit = random_model(MolmoBotConfig.from_name('tiny'), seed=0).vision_backbone.image_vit
+    model = random_model(MolmoBotConfig.from_name('tiny'), seed=0)
+    vit = model.vision_backbone.image_vit
     blocks = vit.transformer.resblocks
     assert len(blocks) >= 2
     patches = torch.rand(2, 729, vit.cfg.patch_dim) * 2 - 1
     with torch.no_grad():
         eager = vit(patches)[-1]
+        prepare_for_serving(model, EngineConfig(model='tiny'), flow_steps=1)
         for block in blocks:
-            block.attention.stack_qkv_()
             block.compile(dynamic=False, fullgraph=True)
         before = counters['stats']['unique_graphs']
         compiled = vit(patches)[-1]

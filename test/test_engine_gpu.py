@@ -21,7 +21,7 @@ BUCKETS = (1664, 2048)
 def observation(seed: int = 0, instruction: str = INSTRUCTION) -> Observation:
     rng = np.random.default_rng(seed)
     images = tuple(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) for _ in range(8))
-    return Observation(images=images, state=rng.uniform(-1, 1, 7).astype(np.float32),
+    return Observation(images=images, state=rng.uniform(-1, 1, 8).astype(np.float32),
                        instruction=instruction)
 
 
@@ -126,7 +126,7 @@ def test_fp8_engine_actions_stay_close_to_bf16():
     base = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16'))
     ref = base.predict(observation(), noise=noise()).actions_normalized
     fp8 = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16', quantize='fp8'))
-    assert fp8.fp8 in ('rowwise', 'tensor')
+    assert fp8.mode['fp8'] in ('rowwise', 'tensor')
     out = fp8.predict(observation(), noise=noise()).actions_normalized
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() / 2.0 < 0.05     # within 5 % of the [-1, 1] range (tiny model)
@@ -141,7 +141,7 @@ def test_quantizing_twice_is_refused():
 @pytest.mark.parametrize('limit,kernel', [(0, 'triton_red_'), (4096, 'triton_per_')])
 def test_wide_row_reductions_compile_a_1152_wide_layer_norm_in_one_pass(limit, kernel):
     from torch._inductor.utils import run_and_get_code
-    from molmobot_policy.runtime.engine import wide_row_reductions
+    from molmobot_policy.runtime.compile import wide_row_reductions
     torch._dynamo.reset()
     norm = torch.nn.LayerNorm(1152, device='cuda', dtype=torch.bfloat16)
     x = torch.randn(4096, 1152, device='cuda', dtype=torch.bfloat16)

@@ -1,23 +1,28 @@
-"""Quantile normalization, the robot contract and the Preprocessor (preprocess/normalize.py,
-transforms.py, pipeline.py)."""
+"""Quantile normalization, the robot contract and its transforms, and the Preprocessor
+(preprocess/normalize.py, transforms.py, pipeline.py)."""
 import numpy as np
 import pytest
+import torch
 
 from molmobot_policy.model.config import MolmoBotConfig, NormStats
 from molmobot_policy.preprocess.normalize import QuantileNormalizer, normalizers_from_config
 from molmobot_policy.preprocess.pipeline import Preprocessor
 from molmobot_policy.preprocess.tokenizer import tiny_tokenizer
-from molmobot_policy.preprocess.transforms import GripperThreshold, RobotContract
+from molmobot_policy.preprocess.transforms import RobotContract, RobotTransforms
 from molmobot_policy.types import Observation
 
 TINY = MolmoBotConfig.from_name('tiny')
 JOINTS = [f'j{i}' for i in range(8)]
 
 
-def contract(**kwargs):
+def contract(**kwargs) -> RobotContract:
     args = dict(camera_names=['front', 'wrist'], joint_names=JOINTS)
     args.update(kwargs)
-    return RobotContract.from_config(TINY, **args)
+    return RobotContract(**args)
+
+
+def transforms(**kwargs) -> RobotTransforms:
+    return RobotTransforms(contract(**kwargs), TINY)
 
 
 # ---------------------------------------------------------------- QuantileNormalizer
@@ -82,95 +87,101 @@ def test_normalizers_from_config_checks_widths_against_the_model():
 
 
 # ---------------------------------------------------------------- RobotContract
-def test_state_is_matched_by_joint_name_not_index():
-    c = contract(joint_names=['shoulder', 'elbow'])
-    state = c.state_from_joint_state(['elbow', 'gripper', 'shoulder'], [2.0, 9.0, 1.0])
-    np.testing.assert_array_equal(state, [1.0, 2.0])
-    assert state.dtype == np.float32
+def test_contract_fields_are_tuples_and_action_joints_default_to_the_joints():
+    c = contract(camera_names=['front', 'wrist'], joint_names=['a', 'b'])
+    assert c.camera_names == ('front', 'wrist') and c.action_joint_names == ('a', 'b')
 
 
-def test_missing_joints_are_named_in_the_error():
-    c = contract(joint_names=['shoulder', 'elbow', 'wrist'])
-    with pytest.raises(ValueError, match=r"lacks joint\(s\) \['elbow', 'wrist'\]"):
-        c.state_from_joint_state(['shoulder'], [0.0])
-
-
-def test_joint_state_with_mismatched_lengths_is_rejected():
-    with pytest.raises(ValueError, match='3 names but 2 positions'):
-        contract().state_from_joint_state(['a', 'b', 'c'], [0.0, 1.0])
+def test_numbered_contract_names_its_cameras_and_joints():
+    c = RobotContract.numbered(3, 2, gripper_index=1)
+    assert c.camera_names == ('camera_0', 'camera_1', 'camera_2')
+    assert c.joint_names == c.action_joint_names == ('joint_0', 'joint_1')
+    assert c.gripper_index == 1
 
 
 def test_state_is_zero_padded_to_model_width_in_normalized_space():
-    c = contract(joint_names=['a', 'b'])
+    t = transforms(joint_names=['a', 'b'])
     q01, q99 = np.float32(TINY.norm_stats.state_q01), np.float32(TINY.norm_stats.state_q99)
-    normalized = c.normalize_state([q01[0], q99[1]])
+    normalized = t.normalize_state([q01[0], q99[1]])
     assert normalized.shape == (TINY.state_dim,)
     np.testing.assert_allclose(normalized[:2], [-1.0, 1.0], atol=1e-6)
     np.testing.assert_array_equal(normalized[2:], 0.0)
 
 
+def test_state_of_another_length_or_not_finite_is_an_error():
+    t = transforms(joint_names=['a', 'b'])
+    with pytest.raises(ValueError, match=r"shape \(2,\) for joints \['a', 'b'\]"):
+        t.normalize_state([0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match='non-finite'):
+        t.normalize_state([0.0, np.inf])
+
+
 def test_more_joints_than_state_width_is_an_error():
-    with pytest.raises(ValueError, match='9 joints.*state_dim'):
-        contract(joint_names=[f'j{i}' for i in range(9)])
+    with pytest.raises(ValueError, match='joint_names has 9 joints.*state_dim=8'):
+        contract(joint_names=[f'j{i}' for i in range(9)]).check(TINY)
 
 
-def test_more_cameras_than_max_images_is_an_error():
+@pytest.mark.parametrize('cameras', [['a'], ['a', 'b', 'c']])
+def test_camera_count_outside_2_to_max_images_is_an_error(cameras):
     cfg = TINY.replace(max_images=2)
-    with pytest.raises(ValueError, match='3 cameras.*max_images'):
-        RobotContract.from_config(cfg, camera_names=['a', 'b', 'c'], joint_names=JOINTS)
+    with pytest.raises(ValueError, match=f'{len(cameras)} cameras? .*max_images=2'):
+        contract(camera_names=cameras).check(cfg)
 
 
-def test_duplicate_names_are_an_error():
+def test_duplicate_or_empty_names_are_an_error():
     with pytest.raises(ValueError, match=r"\['j0'\] appear more than once"):
         contract(joint_names=['j0', 'j0'])
+    with pytest.raises(ValueError, match='camera_names is empty'):
+        contract(camera_names=[])
+    with pytest.raises(TypeError, match='string'):
+        contract(joint_names='j0')
 
 
-def test_images_are_ordered_by_camera_name():
-    c = contract(camera_names=['wrist', 'front'])
-    front, wrist = np.zeros((2, 2, 3), np.uint8), np.ones((2, 2, 3), np.uint8)
-    ordered = c.order_images({'front': front, 'wrist': wrist, 'other': front})
-    assert ordered[0] is wrist and ordered[1] is front
-    with pytest.raises(KeyError, match="'wrist'"):
-        c.order_images({'front': front})
+def test_observation_image_count_must_match_the_cameras():
+    with pytest.raises(ValueError, match=r"3 images, the robot contract has 2 cameras "
+                                         r"\['front', 'wrist'\]"):
+        contract().check_camera_count(3)
 
 
 def test_action_dims_map_to_action_joint_names_and_extra_dims_are_ignored():
     c = contract(action_joint_names=['a', 'b', 'c'])
     actions = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     np.testing.assert_array_equal(c.joint_positions(actions), actions[:, :3])
+    with pytest.raises(ValueError, match=r'>= 3'):
+        c.joint_positions(actions[:, :2])
 
 
 def test_more_action_joints_than_action_dim_is_an_error():
-    with pytest.raises(ValueError, match='9 joints.*action_dim'):
-        contract(action_joint_names=[f'a{i}' for i in range(9)])
+    with pytest.raises(ValueError, match='action_joint_names has 9 joints.*action_dim=8'):
+        contract(action_joint_names=[f'a{i}' for i in range(9)]).check(TINY)
 
 
 def test_postprocess_unnormalizes_actions():
-    c = contract()
     q01 = np.float32(TINY.norm_stats.action_q01)
     q99 = np.float32(TINY.norm_stats.action_q99)
-    out = c.postprocess(np.stack([-np.ones(8), np.ones(8)]).astype(np.float32))
+    out = transforms().postprocess(np.stack([-np.ones(8), np.ones(8)]).astype(np.float32))
     np.testing.assert_allclose(out, np.stack([q01, q99]), rtol=1e-6, atol=1e-6)
 
 
 def test_gripper_threshold_binarizes_its_dimension_only():
-    c = contract(gripper=GripperThreshold(dim=7, threshold=128.0, open_value=0.0,
-                                          closed_value=1.0))
+    t = transforms(gripper_index=7, gripper_threshold=128.0, gripper_open=0.0,
+                   gripper_closed=1.0)
     normalized = np.zeros((3, 8), np.float32)
     normalized[:, 7] = [-1.0, 0.0, 1.0]          # -> 0, 127.5, 255 on the gripper scale
-    out = c.postprocess(normalized)
+    out = t.postprocess(normalized)
     np.testing.assert_array_equal(out[:, 7], [0.0, 0.0, 1.0])
-    np.testing.assert_allclose(out[:, :7], c.action_normalizer.unnormalize(normalized)[:, :7])
+    np.testing.assert_allclose(out[:, :7], t.action_normalizer.unnormalize(normalized)[:, :7])
 
 
-def test_gripper_dim_outside_action_dims_is_an_error():
-    with pytest.raises(ValueError, match='gripper dim 8'):
-        contract(gripper=GripperThreshold(dim=8, threshold=0.5))
+@pytest.mark.parametrize('index', [8, -2])
+def test_gripper_index_outside_action_dims_is_an_error(index):
+    with pytest.raises(ValueError, match=rf'gripper_index={index} is not an action dimension'):
+        contract(gripper_index=index).check(TINY)
 
 
 def test_postprocess_rejects_wrong_action_width():
     with pytest.raises(ValueError, match=r'\(horizon, 8\)'):
-        contract().postprocess(np.zeros((16, 7), np.float32))
+        transforms().postprocess(np.zeros((16, 7), np.float32))
 
 
 # ---------------------------------------------------------------- Preprocessor
@@ -189,12 +200,15 @@ def observation(n_images=2, state=None, instruction='pick up the cube'):
 def test_preprocessor_builds_model_inputs_with_documented_shapes(preprocessor):
     inputs = preprocessor(observation())
     length = inputs.input_ids.shape[1]
-    assert inputs.input_ids.dtype == np.int64 and inputs.input_ids.shape == (1, length)
-    assert inputs.images.dtype == np.uint8 and inputs.images.shape == (1, 2, 729, 588)
+    assert inputs.input_ids.dtype == torch.int64 and inputs.input_ids.shape == (1, length)
+    assert inputs.attention_mask.dtype == torch.bool and inputs.attention_mask.all()
+    assert inputs.images.dtype == torch.uint8 and inputs.images.shape == (1, 2, 729, 588)
     assert inputs.token_pooling.shape == (1, 2 * 196, 4)
     assert inputs.image_positions.shape == (1, 2 * 196)
-    assert inputs.states.dtype == np.float32 and inputs.states.shape == (1, 1, 8)
+    assert inputs.states.dtype == torch.float32 and inputs.states.shape == (1, 1, 8)
     assert (inputs.input_ids[0, inputs.image_positions[0]] == TINY.tokens.im_patch).all()
+    assert set(inputs.tensors()) == {'input_ids', 'attention_mask', 'position_ids',
+                                     'image_positions', 'token_pooling', 'images', 'states'}
 
 
 def test_preprocessor_rejects_image_count_other_than_the_contract(preprocessor):
@@ -210,10 +224,19 @@ def test_preprocessor_names_the_camera_of_a_bad_image(preprocessor):
         preprocessor(bad)
 
 
-def test_text_inputs_are_cached_per_instruction_and_camera_count(preprocessor):
-    first = preprocessor.text_inputs('open the drawer', 2)
-    assert preprocessor.text_inputs('open the drawer', 2) is first
-    assert preprocessor.text_inputs('close the drawer', 2) is not first
+def test_preprocessor_pads_the_prompt_to_its_bucket():
+    p = Preprocessor(TINY, tiny_tokenizer(TINY.tokens), contract(), buckets=(512, 640))
+    inputs = p(observation())
+    length = inputs.text.length
+    assert inputs.text.bucket == 512 and inputs.input_ids.shape == (1, 512)
+    assert int(inputs.attention_mask.sum()) == length < 512
+    assert (inputs.position_ids[0, length:] == length - 1).all()
+
+
+def test_text_inputs_are_cached_per_instruction(preprocessor):
+    first = preprocessor.text_inputs('open the drawer')
+    assert preprocessor.text_inputs('open the drawer') is first
+    assert preprocessor.text_inputs('close the drawer') is not first
     assert not first.input_ids.flags.writeable
 
 

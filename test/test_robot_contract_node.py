@@ -69,7 +69,9 @@ class ConfiguredNode:
             self.engine_configs.append(config)
             if not build_engine:
                 raise AssertionError('the engine must not be built')
-            return PolicyEngine(EngineConfig(**config))
+            options = dict(config)
+            contract = options.pop('contract')
+            return PolicyEngine(EngineConfig(**options), contract=contract)
 
         self.node = PolicyNode(engine_factory=factory, node_name=NODE_NAME, context=context,
                                parameter_overrides=[Parameter(name, value=value)
@@ -106,8 +108,8 @@ TINY = MolmoBotConfig.from_name('tiny')     # max_images 8, state_dim 8, action_
 
 
 @pytest.mark.parametrize('change, parameter', [
-    ({'camera_topics': [f'/cam{k}' for k in range(9)]}, 'camera_topics has 9 topics'),
-    ({'camera_topics': ['/cam0']}, 'camera_topics has 1 topics'),
+    ({'camera_topics': [f'/cam{k}' for k in range(9)]}, r"9 cameras \['/cam0'"),
+    ({'camera_topics': ['/cam0']}, r"1 camera \['/cam0'\]"),
     ({'joint_names': [f'j{k}' for k in range(9)]}, 'joint_names has 9 joints'),
     ({'action_joint_names': [f'j{k}' for k in range(9)]}, 'action_joint_names has 9 joints'),
     ({'gripper_index': 8}, 'gripper_index=8'),
@@ -130,7 +132,7 @@ def test_more_cameras_than_max_images_is_refused_before_the_model_is_built(make_
                       'camera_topics': ['/a', '/b', '/c']}, build_engine=False)
     assert node.configure() == TransitionCallbackReturn.FAILURE
     assert node.engine_configs == []       # refused from the config alone
-    assert any('camera_topics has 3 topics' in e and 'max_images=2' in e
+    assert any("3 cameras ['/a', '/b', '/c']" in e and 'max_images=2' in e
                for e in node.logger.errors), node.logger.errors
 
 
@@ -150,11 +152,12 @@ def test_contract_parameters_reach_the_engine(make_node):
                       'tokenizer': 'tiny', 'gripper_index': 7, 'gripper_threshold': 128.0,
                       'gripper_open': -1.0, 'gripper_closed': 2.0})
     assert node.configure() == TransitionCallbackReturn.SUCCESS, node.logger.errors
-    config = node.node.engine.config
+    config, contract = node.node.engine.config, node.node.engine.contract
     assert (config.norm_stats_key, config.tokenizer) == ('synthmanip', 'tiny')
-    assert (config.gripper_index, config.gripper_threshold) == (7, 128.0)
-    assert (config.gripper_open, config.gripper_closed) == (-1.0, 2.0)
-    assert node.node.engine.num_cameras == 2      # one image per camera topic, in order
+    assert (contract.gripper_index, contract.gripper_threshold) == (7, 128.0)
+    assert (contract.gripper_open, contract.gripper_closed) == (-1.0, 2.0)
+    assert contract.camera_names == tuple(ROBOT['camera_topics'])   # one image per topic
+    assert contract.joint_names == contract.action_joint_names == tuple(JOINTS)
 
 
 # ------------------------------------------------------------------ config/policy_droid.yaml
@@ -186,10 +189,12 @@ def test_droid_file_targets_a_compiled_bfloat16_cuda_engine():
 
 @needs_golden
 def test_droid_file_configures_with_a_checkpoint_of_its_shape_on_the_cpu(make_node):
-    cpu = {'checkpoint_path': str(GOLDEN), 'device': 'cpu', 'dtype': 'float32',
-           'compile': False, 'cuda_graphs': False, 'gripper_threshold': 128.0}
+    # the golden checkpoint ships no tokenizer.json: its built-in tiny tokenizer, explicitly
+    cpu = {'checkpoint_path': str(GOLDEN), 'tokenizer': 'tiny', 'device': 'cpu',
+           'dtype': 'float32', 'compile': False, 'cuda_graphs': False,
+           'gripper_threshold': 128.0}
     node = make_node({**droid_parameters(), **cpu, 'autostart': False})
     assert node.configure() == TransitionCallbackReturn.SUCCESS, node.logger.errors
     engine = node.node.engine
-    assert engine.num_cameras == 2 and engine.config.buckets == (448, 512)
-    assert engine.config.gripper_index == 7
+    assert len(engine.contract.camera_names) == 2 and engine.config.buckets == (448, 512)
+    assert engine.contract.gripper_index == 7

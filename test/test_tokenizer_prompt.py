@@ -148,16 +148,6 @@ def test_prompt_rejects_empty_or_non_string_instruction(tok, instruction, error)
         build_prompt_ids(tok, TOKENS, 2, 196, instruction)
 
 
-def test_prompt_rejects_more_images_than_max_images(tok):
-    with pytest.raises(ValueError, match='max_images is 2'):
-        build_prompt_ids(tok, TOKENS, 3, 196, 'go', max_images=2)
-
-
-def test_prompt_rejects_a_single_image(tok):
-    with pytest.raises(ValueError, match='single image'):
-        build_prompt_ids(tok, TOKENS, 1, 196, 'go')
-
-
 def test_image_token_positions_are_the_im_patch_positions_in_order():
     ids = build_prompt_ids(FakeTokenizer(), TOKENS, 2, 3, 'go')
     positions = image_token_positions(ids, TOKENS)

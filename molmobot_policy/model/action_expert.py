@@ -5,15 +5,13 @@ Upstream: `olmo/nn/action_expert.py`; exact math in the golden README, section 6
 `ae_layer_ids[i]` projected by one shared `context_proj` and normalized (LayerNorm, no affine,
 eps 1e-5), plus the state tokens in `states_mode: cross_attn`.
 
-Two ways to evaluate the velocity field, equal bit for bit:
-- `forward(x_t, t, hidden, encoder_mask, states)`: the reference, recomputes everything;
-- `prepare_context(...)` once per query (context projection, every block's cross-attention
-  K/V, the mask bias, the state tokens: the per-query K/V cache), then per flow step
-  `velocity(x_t, t, ctx)` = `velocity_from_conditioning(x_t, time_conditioning(t), ctx)`.
-Both attend to cross-attention K/V computed without kv_proj's bias, whose two halves change
-no output in exact arithmetic (the key bias cancels in the softmax; the value bias is folded
-into the output projection's bias): `context_key_values`. Upstream's biased K/V agree to
-rounding (tested).
+Everything about the cross-attention context is the same for every flow step (molmobot_model.md
+section 6), so it is computed once per query: `prepare_context(...)` (the context rows, every
+block's cross-attention K/V, the mask bias, the state tokens: the per-query K/V cache), then per
+flow step `velocity(x_t, t, ctx)` = `velocity_from_conditioning(x_t, time_conditioning(t), ctx)`.
+`forward(x_t, t, hidden, encoder_mask, states)` computes all of it per call, as upstream does.
+The runtime serves the same math with its own K/V projection (`runtime.serving`), which it
+passes to `prepare_context`.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ActionExpertConfig
-from .stacking import is_stack_of, stack_parameters_
 
 NORM_EPS = 1e-6          # every AE LayerNorm except the context norm (upstream)
 CONTEXT_ALIGN = 16       # cross-attention context padded to a multiple of this many tokens
@@ -36,14 +33,14 @@ CONTEXT_NORM_EPS = 1e-5  # context_norm is a default nn.LayerNorm upstream
 class ActionExpertContext:
     """Per-query cache, identical for every flow step.
 
-    keys, values: (n_blocks, B, H, S, head_dim) cross-attention K/V of every block without
-        kv_proj's bias (`context_key_values`), S = L context tokens (+ n_obs state tokens in
-        cross_attn mode) rounded up to a multiple of CONTEXT_ALIGN (the extra rows masked);
-        any strides with the last dim contiguous (views of one K|V buffer).
+    keys, values: (n_blocks, B, H, S, head_dim) cross-attention K/V of every block, S = L
+        context tokens (+ n_obs state tokens in cross_attn mode) rounded up to a multiple of
+        CONTEXT_ALIGN (the extra rows masked); any strides with the last dim contiguous, the
+        same for keys and values.
     mask_bias: (B, 1, 1, S) additive cross-attention mask, 0 or finfo(dtype).min.
     state_tokens: (B, n_obs, hidden) encoded states (used by self_attn mode).
-    out_bias: (n_blocks, hidden) every block's cross-attention output bias with the value
-        bias folded in (`cross_output_bias`); goes with these bias-free keys and values.
+    out_bias: (n_blocks, hidden) the cross-attention output-projection bias that goes with these
+        keys and values: each block's attn2.proj.bias for upstream's K/V (`cross_key_values`).
     All in the parameter dtype.
     """
 
@@ -103,12 +100,12 @@ class Attention(nn.Module):
                out_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim) queries; k, v (B, H, S, head_dim); bias (B, 1, 1, S) -> (B, T, dim).
 
-        out_bias (dim,): replaces proj's bias; for K/V computed without kv_proj's bias it is
-        `ActionExpert.cross_output_bias` (see there), None for `key_values`' K/V.
+        out_bias (dim,): the output projection's bias for these k, v
+        (`ActionExpertContext.out_bias`); None = proj.bias.
 
         Written out (two batched matmuls and a float32 softmax) rather than through SDPA:
-        with 16 queries the fused attention kernels are launch-bound (about 21 us a call on
-        an H200), and the compiled matmul + softmax + matmul is faster."""
+        with 16 queries the fused attention kernels are launch-bound, and the compiled
+        matmul + softmax + matmul is faster."""
         b, n = x.shape[:2]
         q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         q = q * self.head_dim ** -0.5
@@ -163,7 +160,7 @@ class DiTBlock(nn.Module):
                 bias: torch.Tensor, out_bias: torch.Tensor) -> torch.Tensor:
         """x (B, T, hidden); mod (9, B, hidden); k, v (B, H, S, hd) cross-attention K/V;
         bias (B, 1, 1, S); out_bias (hidden,) the cross-attention output bias that goes with
-        k, v (`ActionExpertContext.out_bias[i]` for the context cache's bias-free K/V)."""
+        k, v (`ActionExpertContext.out_bias[i]`)."""
         sh1, sc1, g1, sh2, sc2, g2, sh3, sc3, g3 = mod.unbind(0)
         h = modulate(self.norm1(x), sh1, sc1)
         x = x + g1.unsqueeze(1) * self.attn1(h, h)
@@ -232,89 +229,30 @@ class ActionExpert(nn.Module):
         padded = F.pad(states.to(self.dtype), (0, h - states.shape[-1]))
         return self.state_norm(self.state_encoder(padded))
 
-    def context_key_values(self, hidden: torch.Tensor,
-                           state_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every block's cross-attention K/V from its LLM layer, all blocks at once.
-
-        hidden (n_blocks, B, L, llm_dim); state_tokens (B, n_obs, hidden) -> keys, values (n_blocks,
-        B, H, S, head_dim) without kv_proj's bias (below), in the parameter dtype, strided views of
-        the GEMM's (n_blocks, B, S, 2, H, head_dim) output (last dim contiguous; copying them into
-        the (.., H, S, ..) order cost 0.56 ms per query on an H200). Block i's context is
-        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), S = L
-        (+ n_obs) rounded up to a multiple of CONTEXT_ALIGN with zero context rows, which
-        `cross_mask_bias` masks out: aligned K/V rows keep the cross-attention matmuls on the fast
-        vectorized kernels (an odd S, e.g. 1664 + 1, was 8 ms slower per query on an H200); masked
-        rows get exactly zero probability, so the result is unchanged. One GEMM projects every layer
-        (context_proj is shared), one LayerNorm, one batched GEMM applies each block's kv_proj
-        (stacked once by `stack_kv_projections_`, else per call): a handful of kernels where a loop
-        over the blocks launched ~230.
-
-        kv_proj's bias is left out, which changes no attention output (in exact arithmetic):
-        the key bias b_k adds q . b_k to every score of a query row, and softmax is invariant
-        to a constant per row; every row of the probabilities P sums to 1, so
-        P (V + 1 b_v^T) = P V + 1 b_v^T, and the value bias reaches the output as
-        proj.weight @ b_v, folded into proj's bias once (`cross_output_bias`). The GEMM then
-        has no bias to add: with one, cuBLAS's batched GEMM needs the (n_blocks, S, 2 hidden)
-        bias broadcast materialized first (0.41 ms against 0.21 for the full-size GEMM on an
-        H200, benchmarks/benchmark_kv_bias.py).
-        """
-        n, b = hidden.shape[:2]
-        ctx = self.context_rows(hidden, state_tokens)
-        s, d = ctx.shape[2], ctx.shape[3]
-        kv = torch.bmm(ctx.reshape(n, b * s, d), self._kv_projection_weight().transpose(1, 2))
-        attn = self.blocks[0].attn2
-        kv = kv.view(n, b, s, 2, attn.n_heads, attn.head_dim)
-        return kv[:, :, :, 0].transpose(2, 3), kv[:, :, :, 1].transpose(2, 3)
-
     def context_rows(self, hidden: torch.Tensor, state_tokens: torch.Tensor) -> torch.Tensor:
         """hidden (n_blocks, B, L, llm_dim), state_tokens (B, n_obs, hidden) -> every block's
         cross-attention context (n_blocks, B, S, hidden), parameter dtype:
-        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), zero
-        rows up to S (see `context_key_values`). A separate method so that the engine can
-        compile it: the normalization, concatenation and padding then run as one kernel (three
-        passes over ~90 MB eagerly)."""
+        context_norm(context_proj(hidden[i])) (+ the state tokens in cross_attn mode), then zero
+        rows up to S, a multiple of CONTEXT_ALIGN (aligned K/V rows keep the cross-attention
+        matmuls on vectorized kernels; `cross_mask_bias` masks the extra rows, which get
+        exactly zero probability). One GEMM projects every layer (context_proj is shared)."""
         n = hidden.shape[0]
         ctx = self.context_norm(self.context_proj(hidden.to(self.dtype)))
         if self.states_mode == 'cross_attn':
             ctx = torch.cat([ctx, state_tokens.unsqueeze(0).expand(n, -1, -1, -1)], dim=2)
         return F.pad(ctx, (0, 0, 0, -ctx.shape[2] % CONTEXT_ALIGN))
 
-    def _kv_projection_params(self, kind: str) -> list[nn.Parameter]:
-        return [getattr(block.attn2.kv_proj, kind) for block in self.blocks]
+    def cross_key_values(self, rows: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Upstream's cross-attention K/V of every block, block by block.
 
-    def stack_kv_projections_(self) -> None:
-        """Re-points every block's `attn2.kv_proj` weight and bias into one stacked tensor
-        ((n_blocks, 2 hidden, hidden) and (n_blocks, 2 hidden); `stack_parameters_`), in
-        place and idempotent. `context_key_values` then reads them without stacking a copy
-        per query. Moving the module (`.to`) undoes it harmlessly."""
-        if self._stacked_kv_projections() is None:
-            for kind in ('weight', 'bias'):
-                # not a buffer: a holder of the views the parameters already are
-                self.__dict__['_kv_stack_' + kind] = stack_parameters_(
-                    self._kv_projection_params(kind))
-
-    def _stacked_kv_projections(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The `stack_kv_projections_` tensors while they hold the parameters, else None."""
-        weight, bias = (self.__dict__.get('_kv_stack_' + k) for k in ('weight', 'bias'))
-        if is_stack_of(weight, self._kv_projection_params('weight')) \
-                and is_stack_of(bias, self._kv_projection_params('bias')):
-            return weight, bias
-        return None
-
-    def _kv_projection_weight(self) -> torch.Tensor:
-        """(n_blocks, 2 hidden, hidden): the stacked kv_proj weights, stacked per call where
-        `stack_kv_projections_` has not (the bias is not needed: `context_key_values`)."""
-        stacked = self._stacked_kv_projections()
-        return stacked[0] if stacked else torch.stack(self._kv_projection_params('weight'))
-
-    def cross_output_bias(self) -> torch.Tensor:
-        """(n_blocks, hidden), parameter dtype: each block's cross-attention output bias with
-        its value bias folded in, attn2.proj.weight @ b_v + attn2.proj.bias (b_v: the second
-        half of attn2.kv_proj.bias); the output bias for the bias-free K/V of
-        `context_key_values`. Depends only on the weights (the engine computes it once)."""
-        d = self.cfg.hidden_size
-        return torch.stack([F.linear(block.attn2.kv_proj.bias[d:], block.attn2.proj.weight,
-                                     block.attn2.proj.bias) for block in self.blocks])
+        rows (n_blocks, B, S, hidden) from `context_rows` -> keys, values (n_blocks, B, H, S,
+        head_dim) from each block's attn2.kv_proj (with its bias), and out_bias (n_blocks,
+        hidden) = each block's attn2.proj.bias (`ActionExpertContext`)."""
+        keys, values = zip(*(block.attn2.key_values(ctx)
+                             for block, ctx in zip(self.blocks, rows.unbind(0))))
+        out_bias = torch.stack([block.attn2.proj.bias for block in self.blocks])
+        return torch.stack(keys), torch.stack(values), out_bias
 
     def cross_mask_bias(self, encoder_mask: torch.Tensor, n_obs: int) -> torch.Tensor:
         """encoder_mask bool (B, L), True = valid -> additive (B, 1, 1, S): (1 - m) * finfo.min,
@@ -336,23 +274,22 @@ class ActionExpert(nn.Module):
                              f'{encoder_mask.dtype} {tuple(encoder_mask.shape)}')
 
     def prepare_context(self, hidden: torch.Tensor, encoder_mask: torch.Tensor,
-                        states: torch.Tensor,
-                        out_bias: torch.Tensor | None = None) -> ActionExpertContext:
+                        states: torch.Tensor, key_values=None) -> ActionExpertContext:
         """Everything that does not depend on x_t or t, computed once per query.
 
         hidden: (n_blocks, B, L, llm_dim), LLM outputs already selected by ae_layer_ids.
         encoder_mask: bool (B, L), False = padding. states: (B, n_obs, state_dim) normalized.
-        out_bias: `cross_output_bias()` if already computed (it depends only on the weights);
-            None computes it.
+        key_values: `rows -> (keys, values, out_bias)` as `cross_key_values` (the default);
+            the runtime passes its served projection (`runtime.serving.ServedActionExpert`).
         Raises ValueError on mismatched shapes.
         """
         self._check_context_inputs(hidden, encoder_mask)
         state_tokens = self.encode_states(states)
-        keys, values = self.context_key_values(hidden, state_tokens)
+        rows = self.context_rows(hidden, state_tokens)
+        keys, values, out_bias = (key_values or self.cross_key_values)(rows)
         return ActionExpertContext(keys, values,
                                    self.cross_mask_bias(encoder_mask, states.shape[1]),
-                                   state_tokens,
-                                   self.cross_output_bias() if out_bias is None else out_bias)
+                                   state_tokens, out_bias)
 
     # -- per-step pieces -----------------------------------------------------------------
 
@@ -406,19 +343,8 @@ class ActionExpert(nn.Module):
         """x_t (B, H, A), t float (B,) -> velocity (B, H, A) in the parameter dtype."""
         return self.velocity_from_conditioning(x_t, self.time_conditioning(t), ctx)
 
-    # -- reference path ------------------------------------------------------------------
-
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, hidden: torch.Tensor,
                 encoder_mask: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """Uncached reference: recomputes context, K/V, mask and conditioning per call.
-        Shapes as in `prepare_context` and `velocity`."""
-        self._check_context_inputs(hidden, encoder_mask)
-        state_tokens = self.encode_states(states)
-        bias = self.cross_mask_bias(encoder_mask, states.shape[1])
-        c = self.embed_time(t)
-        x = self.embed_actions(x_t, state_tokens)
-        keys, values = self.context_key_values(hidden, state_tokens)
-        for block, k, v, out_bias in zip(self.blocks, keys, values, self.cross_output_bias()):
-            x = block(x, block.modulation(c), k, v, bias, out_bias)
-        x = x[:, x.shape[1] - x_t.shape[1]:]
-        return self.final_layer(x, self.final_layer.modulation(c))
+        """Velocity with the context computed for this call, as upstream. Shapes as in
+        `prepare_context` and `velocity`."""
+        return self.velocity(x_t, t, self.prepare_context(hidden, encoder_mask, states))

@@ -87,13 +87,13 @@ class LlmConfig:
 class ActionExpertConfig:
     """DiT-style flow-matching head. Upstream: `model.action_expert`."""
 
-    hidden_size: int = 768
-    num_layers: int = 36
+    hidden_size: int = 768           # DiT width (768 = 8 heads x 96)
+    num_layers: int = 36             # one block per LLM layer in `per_layer` mode
     num_heads: int = 8
-    mlp_ratio: float = 4.0
-    timestep_embed_dim: int = 256
-    max_horizon: int = 32
-    context_layer_norm: bool = True
+    mlp_ratio: float = 4.0           # MLP hidden = mlp_ratio * hidden_size (exact GELU)
+    timestep_embed_dim: int = 256    # sinusoidal time embedding width
+    max_horizon: int = 32            # rows of action_pos_embed
+    context_layer_norm: bool = True  # context_norm: LayerNorm eps 1e-5, no affine
 
     @property
     def head_dim(self) -> int:
@@ -146,6 +146,13 @@ class NormStats:
     action_q01: list[float]
     action_q99: list[float]
     mode: str = 'quantiles'
+
+    @classmethod
+    def identity(cls, state_dim: int, action_dim: int) -> NormStats:
+        """q01 = -1, q99 = 1 everywhere: normalization leaves values as they are (random-weight
+        presets, which have no training data)."""
+        return cls(state_q01=[-1.0] * state_dim, state_q99=[1.0] * state_dim,
+                   action_q01=[-1.0] * action_dim, action_q99=[1.0] * action_dim)
 
 
 @dataclass
@@ -243,15 +250,18 @@ def _tiny() -> MolmoBotConfig:
 
 
 def _molmobot_droid() -> MolmoBotConfig:
-    """MolmoBot-DROID shape: Molmo2-4B base, 2 cameras, 7 joints + gripper, chunk 16 x 8."""
+    """MolmoBot-DROID shape: Molmo2-4B base, 2 cameras, 7 joints + gripper, chunk 16 x 8;
+    identity normalization statistics (a checkpoint brings its own)."""
     return MolmoBotConfig(name='molmobot-droid', max_images=2, action_dim=8,
-                          action_horizon=16, state_dim=8)
+                          action_horizon=16, state_dim=8, norm_stats=NormStats.identity(8, 8))
 
 
 def _molmobot_4b_8cam() -> MolmoBotConfig:
-    """The benchmark contract: full-size model, 8 cameras, 14-D state and action, horizon 16."""
+    """The benchmark contract: full-size model, 8 cameras, 14-D state and action, horizon 16;
+    identity normalization statistics."""
     return MolmoBotConfig(name='molmobot-4b-8cam', max_images=8, action_dim=14,
-                          action_horizon=16, state_dim=14)
+                          action_horizon=16, state_dim=14,
+                          norm_stats=NormStats.identity(14, 14))
 
 
 PRESETS = {

@@ -97,8 +97,7 @@ class OLMoSequentialBlock(nn.Module):
         v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA: query head h reads KV head h // (n_heads / n_kv_heads). SDPA groups the heads
-        # itself (cuDNN with the additive mask on an H200: 15 us per block faster than
-        # repeating K/V to 32 heads first, benchmarks/RESULTS.md).
+        # itself, faster than repeating K/V to n_heads first.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, enable_gqa=True)
         return self.attn_out(out.transpose(1, 2).reshape(b, n, -1))
 

@@ -8,6 +8,8 @@ and no Python branches on tensor values, except `find_image_positions` (eager on
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -145,11 +147,10 @@ class MolmoBot(nn.Module):
         """Action chunk in normalized action space, float32 (B, horizon, action_dim).
 
         states float (B, n_obs, state_dim), normalized. noise float32 (B, horizon,
-        action_dim), drawn with torch.randn(generator=generator) when None. Forward Euler from
-        noise (t = 0) to data (t = 1): for i in range(steps): t = i / steps,
-        x = x + (1 / steps) * v(x, t); steps = num_steps or cfg.flow_steps. The context (LLM
-        hidden states, K/V of every cross-attention) is computed once. Other inputs as in
-        `llm_hidden_states`. Raises ValueError on malformed inputs.
+        action_dim), drawn with torch.randn(generator=generator) when None. `euler_flow` over
+        `num_steps or cfg.flow_steps` steps; the context (LLM hidden states, K/V of every
+        cross-attention) is computed once. The plain reference the served engine is tested
+        against. Other inputs as in `llm_hidden_states`. Raises ValueError on malformed inputs.
         """
         b = input_ids.shape[0]
         shape = (b, self.cfg.action_horizon, self.cfg.action_dim)
@@ -168,11 +169,27 @@ class MolmoBot(nn.Module):
                                         attention_mask, image_positions)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        ctx = self.action_expert.prepare_context(self.select_ae_layers(hidden),
-                                                 attention_mask, states)
-        x = noise.float()
-        dt = 1.0 / steps
-        for i in range(steps):
-            t = torch.full((b,), i / steps, dtype=torch.float32, device=x.device)
-            x = x + dt * self.action_expert.velocity(x, t, ctx).float()
-        return x
+        ae = self.action_expert
+        ctx = ae.prepare_context(self.select_ae_layers(hidden), attention_mask, states)
+
+        def velocity(x: torch.Tensor, i: int) -> torch.Tensor:
+            return ae.velocity(x, torch.full((b,), i / steps, dtype=torch.float32,
+                                             device=x.device), ctx)
+        return euler_flow(noise, velocity, steps)
+
+
+def euler_flow(noise: torch.Tensor, velocity: Callable[[torch.Tensor, int], torch.Tensor],
+               steps: int) -> torch.Tensor:
+    """Upstream's flow-matching sampler: forward Euler from noise (t = 0) to data (t = 1),
+    x_0 = noise; for i in range(steps): x = x + (1 / steps) * velocity(x, i), where step i is
+    at flow time t = i / steps (molmobot_model.md section 6).
+
+    noise float (B, horizon, action_dim); velocity(x float32 (B, horizon, action_dim), i) ->
+    velocity of the same shape in any float dtype. Returns float32 (B, horizon, action_dim),
+    normalized action space. `MolmoBot.generate_actions` and the engine's served query both
+    run it, each with its own velocity function."""
+    x = noise.float()
+    dt = 1.0 / steps
+    for i in range(steps):
+        x = x + dt * velocity(x, i).float()
+    return x

@@ -5,7 +5,8 @@ Module and parameter names follow upstream `olmo/nn/image_vit.py` and
 upstream state dict loads one to one. The math is the golden README's section 6
 (../shared/golden/molmobot_tiny/README.md): ViT and pooling attention run in float32
 whatever the parameter dtype (upstream `float32_attention`), images are normalized inside
-the model as x / 255 * 2 - 1 (upstream `normalize_on_gpu`).
+the model as x / 255 * 2 - 1 (upstream `normalize_on_gpu`). The runtime swaps in its served
+forms of the attention and the MLP at load time (`runtime.serving.prepare_for_serving`).
 """
 from __future__ import annotations
 
@@ -14,49 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConnectorConfig, LlmConfig, VitConfig
-from .stacking import is_stack_of, stack_parameters_
-
-
-def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA with q, k, v cast to float32; the result is cast back to q's dtype.
-
-    q: (..., H, Tq, hd), k/v: (..., H, Tk, hd); attn_mask bool, True = may attend.
-    """
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask)
-    return out.to(q.dtype)
-
-
-def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query over a few keys as float32 products and sums.
-
-    q: (..., H, 1, hd), k/v: (..., H, Tk, hd); attn_mask bool broadcastable to (..., H, 1, Tk),
-    True = may attend. Returns (..., H, 1, hd) in q's dtype. For the connector's 2x2 pooling
-    windows (1 query, 4 keys, 1568 windows x 16 heads for 8 images): SDPA ran it as one fused
-    kernel of 0.31 ms on an H200, these few elementwise kernels read the same 15 MB once.
-    """
-    scores = (q.float() * k.float()).sum(-1, keepdim=True).transpose(-1, -2)  # (.., H, 1, Tk)
-    scores = scores * q.shape[-1] ** -0.5
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float('-inf'))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs.transpose(-1, -2) * v.float()).sum(-2, keepdim=True).to(q.dtype)
 
 
 class ViTMultiHeadDotProductAttention(nn.Module):
-    """Multi-head attention with biased wq/wk/wv/wo.
-
-    `float32_attention` (upstream's flag, default True): q, k, v are cast to float32 before
-    SDPA. With bf16 weights, q/k/v carry bf16 precision either way and the fused bf16
-    kernels accumulate q k^T, the softmax and p v in float32 too; the difference is the
-    rounding of the probabilities to bf16 before p v. The runtime turns the flag off for
-    bf16 serving (about 2.6x faster ViT on an H200: 34.6 -> 13.5 ms for 8 images,
-    benchmarks/RESULTS.md).
-    """
-
-    float32_attention = True
-    qkv_stack: tuple[torch.Tensor, torch.Tensor] | None = None   # set by `stack_qkv_`
+    """Multi-head attention with biased wq/wk/wv/wo; q, k and v are cast to float32 before
+    attention (upstream `float32_attention: true`), the result back to the parameter dtype."""
 
     def __init__(self, dim: int, n_heads: int, head_dim: int, in_dim: int | None = None):
         super().__init__()
@@ -67,71 +30,21 @@ class ViTMultiHeadDotProductAttention(nn.Module):
         self.wv = nn.Linear(in_dim, n_heads * head_dim)
         self.wo = nn.Linear(n_heads * head_dim, dim)
 
-    def stack_qkv_(self) -> None:
-        """Re-points wq / wk / wv (weights and biases) to slices of one (3, H * hd, in_dim)
-        weight and one (3, H * hd) bias (`stacking.stack_parameters_`): in place and
-        idempotent; values, state-dict keys and `load_state_dict` unchanged, no second copy.
-        Self-attention (x_q is x_kv) then projects q, k and v with one GEMM of N = 3 H hd:
-        for the so400m ViT over 8 images 10.21 instead of 10.38 ms on an H200
-        (benchmarks/benchmark_vit_variants.py, RESULTS.md). Moving the module (`.to`) stacks
-        the moved parameters again; the compiled forward trusts the stack, so replacing a
-        parameter's tensor (`p.data = ...`) after compiling is not supported."""
-        if not self.qkv_stacked():
-            linears = (self.wq, self.wk, self.wv)
-            self.qkv_stack = (stack_parameters_([m.weight for m in linears]),
-                              stack_parameters_([m.bias for m in linears]))
-
-    def qkv_stacked(self) -> bool:
-        """True while wq / wk / wv are the slices of `qkv_stack` (a deep copy, or a parameter
-        given a new tensor, ends it; eager calls then run three GEMMs, `stack_qkv_` restacks)."""
-        stack, linears = self.qkv_stack, (self.wq, self.wk, self.wv)
-        return stack is not None and is_stack_of(stack[0], [m.weight for m in linears]) \
-            and is_stack_of(stack[1], [m.bias for m in linears])
-
-    def _apply(self, fn, recurse=True):
-        # `.to` / `.half` / `.cuda` give each parameter its own new tensor: stack those again
-        restack = self.qkv_stack is not None
-        self.qkv_stack = None
-        module = super()._apply(fn, recurse)
-        if restack:
-            self.stack_qkv_()
-        return module
-
     def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x_q (B, Tq, in_dim), x_kv (B, Tk, in_dim), attn_mask bool broadcastable to
-        (B, H, Tq, Tk) -> (B, Tq, dim)."""
+        (B, H, Tq, Tk), True = may attend -> (B, Tq, dim)."""
         b, tq, tk = x_q.shape[0], x_q.shape[1], x_kv.shape[1]
-        # compiled code trusts the stack (`stack_qkv_` is called before compiling)
-        if self.qkv_stack is not None and x_q is x_kv and (
-                torch.compiler.is_compiling() or self.qkv_stacked()):
-            weight, bias = self.qkv_stack
-            qkv = F.linear(x_q, weight.flatten(0, 1), bias.flatten())
-            q, k, v = qkv.view(b, tq, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        else:
-            q = self.wq(x_q).view(b, tq, self.n_heads, self.head_dim).transpose(1, 2)
-            k = self.wk(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
-            v = self.wv(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
-        if tq == 1 and tk <= 16:    # the pooling windows
-            out = single_query_attention(q, k, v, attn_mask)
-        elif self.float32_attention:
-            out = fp32_attention(q, k, v, attn_mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        q = self.wq(x_q).view(b, tq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x_kv).view(b, tk, self.n_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                             attn_mask=attn_mask).to(x_q.dtype)
         return self.wo(out.transpose(1, 2).reshape(b, tq, self.n_heads * self.head_dim))
 
 
 class ViTMLP(nn.Module):
-    """w2(gelu_tanh(w1 x)), both with bias.
-
-    On CUDA, w1 + bias + GELU run as one cuBLASLt GEMM with its GELU epilogue
-    (`torch._addmm_activation`), which computes the tanh approximation (checked against
-    F.gelu(approximate='tanh') on an H200: max |diff| 5e-6 in float32, against 4.7e-4 for the
-    erf form). That saves the separate GELU pass over the (N, 4304) activations and leaves
-    w2's input contiguous, so w2 keeps its bias epilogue too (1.5 ms of 12.6 for 8 images,
-    benchmarks/RESULTS.md). On CPU `_addmm_activation` computes the erf form, so the CPU path
-    stays F.gelu.
-    """
+    """w2(gelu_tanh(w1 x)), both with bias."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -139,11 +52,6 @@ class ViTMLP(nn.Module):
         self.w2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            shape = x.shape
-            h = torch._addmm_activation(self.w1.bias, x.reshape(-1, shape[-1]),
-                                        self.w1.weight.t(), use_gelu=True)
-            return self.w2(h.view(*shape[:-1], h.shape[-1]))
         return self.w2(F.gelu(self.w1(x), approximate='tanh'))
 
 

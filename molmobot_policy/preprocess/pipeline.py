@@ -1,141 +1,139 @@
-"""`Observation` -> the model's numpy inputs, and the model's actions -> robot units.
+"""`Observation` -> the model's inputs on the serving device, and the model's actions -> robot
+units: the serving path's input and output transforms (`runtime.engine.PolicyEngine` runs
+them on every query; the golden preprocess tests certify them).
 
-The CPU path (`Preprocessor.__call__`) does everything on the host. The runtime resizes
-images on the GPU itself and only asks for the text side (`Preprocessor.text_inputs`),
-which depends on the instruction and the camera count alone and is cached.
+    images:      one per camera (contract) -> resize + patchify on the device (images.py)
+    instruction: -> prompt ids, <im_patch> positions, pooling indices, padded (prompt.py)
+    state:       -> pad + quantile normalize (transforms.py)
+    actions:     -> unnormalize, gripper threshold (transforms.py)
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.preprocess.images import pooling_indices, resize_and_patchify
-from molmobot_policy.preprocess.prompt import Encoder, build_prompt_ids, image_token_positions
-from molmobot_policy.preprocess.transforms import RobotContract
+from molmobot_policy.preprocess.images import resize_and_patchify
+from molmobot_policy.preprocess.prompt import (TEXT_CACHE_SIZE, Encoder, PromptFitter,
+                                               TextInputs)
+from molmobot_policy.preprocess.transforms import RobotContract, RobotTransforms
 from molmobot_policy.types import Observation
-
-TEXT_CACHE_SIZE = 64     # distinct (instruction, camera count) prompts kept
-
-
-@dataclass(frozen=True)
-class TextInputs:
-    """The instruction-dependent half of a query (read-only arrays, shared by the cache).
-
-    Attributes:
-        input_ids: int64 (L,) token ids.
-        image_positions: int64 (N*196,) positions of `<im_patch>` in input_ids.
-        token_pooling: int64 (N*196, 4) patch indices per image token, -1 = pad.
-    """
-
-    input_ids: np.ndarray
-    image_positions: np.ndarray
-    token_pooling: np.ndarray
 
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """One query as the model takes it (batch of 1, numpy).
+    """One query as the model takes it (batch of 1, tensors on the serving device).
 
     Attributes:
-        input_ids: int64 (1, L).
-        images: uint8 (1, N, 729, 588) patches, not normalized (the model does x/255*2-1).
-        token_pooling: int64 (1, N*196, 4), -1 = pad.
-        image_positions: int64 (1, N*196), positions of `<im_patch>` in input_ids.
+        input_ids: int64 (1, L). attention_mask: bool (1, L), False = padding.
+        position_ids: int64 (1, L).
+        image_positions: int64 (1, N*T), positions of `<im_patch>` in input_ids.
+        token_pooling: int64 (1, N*T, pool), -1 = pad.
+        images: uint8 (1, N, num_patches, patch_dim), not normalized (the model does
+            x/255*2-1).
         states: float32 (1, 1, state_dim), quantile-normalized, zero-padded.
+        text: the host-side `TextInputs` these came from (length, bucket).
     """
 
-    input_ids: np.ndarray
-    images: np.ndarray
-    token_pooling: np.ndarray
-    image_positions: np.ndarray
-    states: np.ndarray
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    image_positions: torch.Tensor
+    token_pooling: torch.Tensor
+    images: torch.Tensor
+    states: torch.Tensor
+    text: TextInputs
 
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by name: the keyword arguments of the engine's query."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != 'text'}
 
 
 class Preprocessor:
     """Builds `ModelInputs` from an `Observation`, and maps actions back to robot units.
 
     Args:
-        cfg: the model config (vit sizes, tokens, max_images, state/action widths).
+        model: the model config (image size and patch size, tokens, pooling, widths, stats).
         tokenizer: anything with `encode(text) -> list[int]` (`tokenizer.TextTokenizer`).
-        contract: the robot contract, which owns the quantile normalizers and the gripper
-            threshold; default `RobotContract.from_config(cfg)` (cfg.max_images cameras,
-            cfg.state_dim joints).
+        contract: the robot contract; default `RobotContract.numbered(model.max_images,
+            model.state_dim)`.
+        buckets, overlong: prompt padding and over-long prompts (`prompt.PromptFitter`).
+        device: where the images are resized and the inputs live.
     Raises:
-        ValueError: from `RobotContract.from_config` when no contract is given.
+        ValueError: the contract does not fit the model (`RobotContract.check`), bad
+            norm_stats, buckets too small (`PromptFitter`).
     """
 
-    def __init__(self, cfg: MolmoBotConfig, tokenizer: Encoder,
-                 contract: RobotContract | None = None) -> None:
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.contract = contract if contract is not None else RobotContract.from_config(cfg)
-        self._text_cache: OrderedDict[tuple[str, int], TextInputs] = OrderedDict()
+    def __init__(self, model: MolmoBotConfig, tokenizer: Encoder,
+                 contract: RobotContract | None = None, *, buckets: tuple[int, ...] = (),
+                 overlong: str = 'error', device: torch.device | str = 'cpu') -> None:
+        if contract is None:
+            contract = RobotContract.numbered(model.max_images, model.state_dim)
+        self.contract = contract
+        self.transforms = RobotTransforms(contract, model)
+        self.prompt = PromptFitter(tokenizer, model, len(contract.camera_names), buckets,
+                                   overlong)
+        self.image_size, self.patch_size = model.vit.image_size, model.vit.patch_size
+        self.device = torch.device(device)
+        self._text_on_device = functools.lru_cache(maxsize=TEXT_CACHE_SIZE)(self._to_device)
 
-    def text_inputs(self, instruction: str, n_images: int) -> TextInputs:
-        """Prompt ids, `<im_patch>` positions and pooling indices; cached per
-        (instruction, n_images), least recently used evicted after TEXT_CACHE_SIZE.
+    def text_inputs(self, instruction: str) -> TextInputs:
+        """The host-side text inputs of `instruction` (`PromptFitter.text_inputs`, cached).
+        Host only: safe from another thread while the engine serves."""
+        return self.prompt.text_inputs(instruction)
 
-        Raises:
-            TypeError, ValueError: see `prompt.build_prompt_ids` (empty instruction,
-                n_images outside 2..max_images).
-        """
-        key = (instruction, n_images)
-        cached = self._text_cache.get(key)
-        if cached is not None:
-            self._text_cache.move_to_end(key)
-            return cached
-        cfg = self.cfg
-        ids = build_prompt_ids(self.tokenizer, cfg.tokens, n_images, cfg.tokens_per_image,
-                               instruction, max_images=cfg.max_images)
-        text = TextInputs(
-            input_ids=_read_only(ids),
-            image_positions=_read_only(image_token_positions(ids, cfg.tokens)),
-            token_pooling=_read_only(pooling_indices(n_images, cfg.vit.grid,
-                                                     cfg.connector.pooling_h,
-                                                     cfg.connector.pooling_w)))
-        self._text_cache[key] = text
-        if len(self._text_cache) > TEXT_CACHE_SIZE:
-            self._text_cache.popitem(last=False)
-        return text
+    def _to_device(self, text: TextInputs) -> dict[str, torch.Tensor]:
+        names = ('input_ids', 'attention_mask', 'position_ids', 'image_positions',
+                 'token_pooling')
+        return {name: torch.as_tensor(np.array(getattr(text, name)), device=self.device)[None]
+                for name in names}
 
-    def __call__(self, observation: Observation) -> ModelInputs:
-        """Observation -> ModelInputs, all on the CPU.
+    def images(self, images: tuple[np.ndarray, ...]) -> torch.Tensor:
+        """One uint8 RGB (H, W, 3) frame per camera, any sizes -> uint8 (1, N, num_patches,
+        patch_dim) on the device (resized there).
 
         Raises:
-            ValueError: the image count differs from the contract's cameras; an image is
-                not uint8 (H, W, 3); the state does not fit the contract; the
-                instruction is empty.
+            ValueError: not one image per camera; an image that is not uint8 (H, W, 3),
+                naming its camera.
         """
-        n_cameras = len(self.contract.camera_names)
-        if len(observation.images) != n_cameras:
-            raise ValueError(f'observation has {len(observation.images)} images, the robot '
-                             f'contract has {n_cameras} cameras {list(self.contract.camera_names)}')
-        text = self.text_inputs(observation.instruction, n_cameras)
-        images = []
-        for name, image in zip(self.contract.camera_names, observation.images):
+        self.contract.check_camera_count(len(images))
+        out = []
+        for name, image in zip(self.contract.camera_names, images):
             try:
-                images.append(resize_and_patchify(image, self.cfg.vit.image_size,
-                                                  self.cfg.vit.patch_size))
+                frame = image if isinstance(image, torch.Tensor) else torch.from_numpy(
+                    np.ascontiguousarray(image))
+                out.append(resize_and_patchify(frame.to(self.device, non_blocking=True)[None],
+                                               self.image_size, self.patch_size)[0])
             except (TypeError, ValueError) as error:
                 raise ValueError(f'image of camera {name!r}: {error}') from None
-        states = self.contract.normalize_state(observation.state)
-        return ModelInputs(
-            input_ids=np.array(text.input_ids)[None],
-            images=np.stack(images)[None],
-            token_pooling=np.array(text.token_pooling)[None],
-            image_positions=np.array(text.image_positions)[None],
-            states=states.reshape(1, 1, -1))
+        return torch.stack(out)[None]
+
+    def inputs(self, text: TextInputs, images: tuple[np.ndarray, ...],
+               state: np.ndarray) -> ModelInputs:
+        """`ModelInputs` from text inputs (e.g. a warm-up probe, `PromptFitter.pad`), frames and
+        the raw state (`RobotTransforms.normalize_state`). ValueError as `images` and there."""
+        states = torch.as_tensor(self.transforms.normalize_state(state), device=self.device)
+        return ModelInputs(**self._text_on_device(text), images=self.images(images),
+                           states=states.reshape(1, 1, -1), text=text)
+
+    def __call__(self, observation: Observation, instruction: str | None = None) -> ModelInputs:
+        """Observation -> ModelInputs. instruction: overrides `observation.instruction` (the
+        engine passes its default when the observation carries none).
+
+        Raises:
+            TypeError, ValueError: a wrong image count, a bad image, a state that does not fit
+                the contract, an empty or (with overlong='error') too long instruction.
+        """
+        text = self.text_inputs(observation.instruction if instruction is None
+                                else instruction)
+        return self.inputs(text, observation.images, observation.state)
 
     def postprocess(self, actions_normalized: np.ndarray) -> np.ndarray:
         """Model output float (H, action_dim) -> float32 (H, action_dim) robot units
-        (quantile unnormalize, then the contract's gripper threshold). ValueError on shape.
-        """
-        return self.contract.postprocess(actions_normalized)
+        (`RobotTransforms.postprocess`). ValueError on shape."""
+        return self.transforms.postprocess(actions_normalized)

@@ -183,22 +183,39 @@ def load_tokenizer(path_or_dir: str | os.PathLike, tokens: TokenIds) -> TextToke
         raise FileNotFoundError(
             f'tokenizer file not found: {path}. The model needs its Qwen tokenizer.json: put it '
             'beside the checkpoint (config.yaml, model.pt) or set the `tokenizer_path` parameter')
-    tokenizer = TextTokenizer(Tokenizer.from_file(str(path)), source=str(path))
+    return check_tokenizer(TextTokenizer(Tokenizer.from_file(str(path)), source=str(path)),
+                           tokens, str(path))
+
+
+def check_tokenizer(tokenizer, tokens: TokenIds, source: str = 'the tokenizer'):
+    """`tokenizer`'s special-token ids against the model config; returns the tokenizer.
+
+    Args:
+        tokenizer: anything with `token_to_id(str) -> int | None` and `id_to_token(int)`
+            (`TextTokenizer`, a loaded tokenizer.json).
+        tokens: the model config's TokenIds.
+        source: names the tokenizer in messages (e.g. its path).
+    Raises:
+        ValueError: `<|endoftext|>`, `<|im_start|>` or `<|im_end|>` is missing or has another
+            id than the config says; an image special token (`<im_start>`, `<im_patch>`, ...)
+            present in the tokenizer has another id; or the config's image-token id is taken by
+            a different token.
+    """
     for name, field in CHAT_TOKEN_FIELDS.items():
         found, expected = tokenizer.token_to_id(name), getattr(tokens, field)
         if found != expected:
-            raise ValueError(f'{path}: special token {name} has id {found}, but the model '
+            raise ValueError(f'{source}: special token {name} has id {found}, but the model '
                              f'config expects {expected} (TokenIds.{field}); wrong tokenizer '
                              'for this model?')
     for name, field in IMAGE_TOKEN_FIELDS.items():
         found, expected = tokenizer.token_to_id(name), getattr(tokens, field)
         if found is not None and found != expected:
-            raise ValueError(f'{path}: image token {name} has id {found}, but the model config '
-                             f'expects {expected} (TokenIds.{field})')
+            raise ValueError(f'{source}: image token {name} has id {found}, but the model '
+                             f'config expects {expected} (TokenIds.{field})')
         holder = tokenizer.id_to_token(expected)
         if found is None and holder is not None:
-            raise ValueError(f'{path}: id {expected} (TokenIds.{field}, {name}) is the token '
-                             f'{holder!r} in this file, not {name}')
+            raise ValueError(f'{source}: id {expected} (TokenIds.{field}, {name}) is the token '
+                             f'{holder!r} there, not {name}')
     return tokenizer
 
 
@@ -211,12 +228,13 @@ def resolve_tokenizer(mode: str, tokens: TokenIds, tokenizer_path: str | os.Path
 
     Args:
         mode: 'file': a Qwen tokenizer.json, from `tokenizer_path` (file or directory), else
-            beside the checkpoint. 'tiny': the self-contained tiny tokenizer (`tiny_tokenizer`).
-            'auto' (default): 'file' when `tokenizer_path` is set or a tokenizer.json lies
-            beside the checkpoint; else 'tiny' when the model's token ids are the tiny layout
-            (vocab 512: the tiny preset and checkpoints of its shape, such as the golden one,
-            whose own tokenizer is not shipped) or when there is no checkpoint (random
-            weights: any ids in range will do); else the error below.
+            beside the checkpoint. 'tiny': the built-in tiny tokenizer (`tiny_tokenizer`), for
+            random weights and for a checkpoint trained with it (its token ids must be the
+            tiny ones). 'auto' (default): 'file' when `tokenizer_path` is set or a
+            tokenizer.json lies beside the checkpoint; 'tiny' when there is no checkpoint (the
+            built-in presets' random weights: any ids in range will do); else the error below:
+            a checkpoint's vocabulary needs the tokenizer it was trained with, and two
+            tokenizers of one vocabulary size tokenize differently.
         tokens: the model config's TokenIds.
         tokenizer_path: tokenizer.json or its directory; '' = beside the checkpoint.
         checkpoint_path: the checkpoint directory or weight file; '' = random weights.
@@ -225,9 +243,9 @@ def resolve_tokenizer(mode: str, tokens: TokenIds, tokenizer_path: str | os.Path
     Raises:
         ValueError: unknown mode; 'tiny' for a checkpoint whose token ids are not the tiny
             ones (its vocabulary needs its own tokenizer).
-        FileNotFoundError: a checkpoint with a real vocabulary (e.g. Qwen3's 151936) and no
-            tokenizer.json beside it or at `tokenizer_path`; the message names the file.
-        See `load_tokenizer` for the special-token id checks.
+        FileNotFoundError: a checkpoint without tokenizer.json beside it or at
+            `tokenizer_path` ('auto' or 'file'); the message names the file.
+        See `check_tokenizer` for the special-token id checks.
     """
     if mode not in TOKENIZER_MODES:
         raise ValueError(f'tokenizer must be one of {list(TOKENIZER_MODES)}, got {mode!r}')
@@ -239,13 +257,15 @@ def resolve_tokenizer(mode: str, tokens: TokenIds, tokenizer_path: str | os.Path
     if mode == 'auto':
         if tokenizer_path or (beside is not None and beside.is_file()):
             mode = 'file'
-        elif beside is None or tokens == tiny_ids:
+        elif beside is None:
             mode = 'tiny'
         else:
+            tiny = (" (or set `tokenizer` to 'tiny' if it was trained with the built-in tiny "
+                    'tokenizer)' if tokens == tiny_ids else '')
             raise FileNotFoundError(
-                f'no tokenizer for checkpoint {checkpoint_path}: its vocabulary '
-                f'({tokens.im_start} base ids) needs the Qwen tokenizer.json. Put tokenizer.json '
-                f'beside the checkpoint ({beside}) or set the `tokenizer_path` parameter to it')
+                f'no tokenizer for checkpoint {checkpoint_path}: it needs the tokenizer.json it '
+                f'was trained with. Put tokenizer.json beside the checkpoint ({beside}) or set '
+                f'the `tokenizer_path` parameter to it{tiny}')
     if mode == 'tiny':
         if beside is not None and tokens != tiny_ids:
             raise ValueError(f'tokenizer=tiny, but checkpoint {checkpoint_path} has the token ids '

@@ -1,32 +1,37 @@
 """The robot contract: which camera is which image, which joints make the state, which action
-dimension drives which joint, and how actions go back to robot units (openpi-style: data
-plus small transforms, apart from the model and the transport).
+dimension drives which joint, and the gripper command (openpi-style: data plus small
+transforms, apart from the model and the transport). The node builds a `RobotContract` from its
+parameters; the engine binds it to its model (`RobotTransforms`) and runs it on every query:
+    observation -> [camera count, state pad + normalize] -> model
+                -> [unnormalize, gripper threshold] -> ActionChunk -> [action -> joint slicing]
 
 Conventions:
-- `camera_names[k]` becomes "Image k+1" in the prompt.
-- The state is the positions of `joint_names`, in that order, matched by NAME (never by
-  index). `Observation.state` holds these n_joints raw values; the model receives them
-  normalized and zero-padded to its state width in normalized space (zeros are also what
-  the upstream action expert pads with).
-- Action dimension i drives `action_joint_names[i]`; dimensions beyond that list (up to
-  the model's action_dim) are computed but not sent to any joint.
+- Camera k of an observation (`Observation.images[k]`, in `camera_names` order: the
+  synchronizer assembles them so) becomes "Image k+1" in the prompt.
+- The state is the positions of `joint_names`, in that order, matched by NAME (the
+  synchronizer does the matching). The model receives them normalized and zero-padded to its
+  state width in normalized space (zeros are also what the upstream action expert pads with).
+- Action dimension i drives `action_joint_names[i]`; dimensions beyond that list (up to the
+  model's action_dim) are computed but not sent to any joint.
 - An optional gripper threshold turns one action dimension into an open/closed command.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.preprocess.normalize import QuantileNormalizer, normalizers_from_config
+from molmobot_policy.preprocess.normalize import normalizers_from_config
 
 
 def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(values, str):
         raise TypeError(f'{what} must be a list of names, got the string {values!r}')
     names = tuple(values)
+    if not names:
+        raise ValueError(f'{what} is empty; expected at least one name')
     for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f'{what} must be non-empty strings, got {name!r} in {list(names)}')
@@ -37,160 +42,143 @@ def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class GripperThreshold:
-    """Binarize one action dimension (robot units): >= threshold -> closed, else open.
-
-    Attributes:
-        dim: action dimension index (e.g. 7 for DROID's gripper).
-        threshold: robot units (e.g. 128 on a 0..255 gripper scale).
-        open_value, closed_value: the commands written instead (e.g. 0.0 and 1.0).
-    """
-
-    dim: int
-    threshold: float
-    open_value: float = 0.0
-    closed_value: float = 1.0
-
-    def apply(self, actions: np.ndarray) -> np.ndarray:
-        """float (H, A) robot units -> float32 copy with column `dim` binarized."""
-        out = np.array(actions, dtype=np.float32, copy=True)
-        column = out[:, self.dim]
-        out[:, self.dim] = np.where(column >= self.threshold, self.closed_value, self.open_value)
-        return out
-
-
-@dataclass(frozen=True)
 class RobotContract:
-    """How one robot maps onto the model's inputs and outputs. Build with `from_config`.
+    """How one robot maps onto a model's inputs and outputs (plain data, checked against a
+    model by `check`).
 
     Attributes:
-        camera_names: ordered; camera k -> image k (prompt "Image k+1").
-        joint_names: ordered joints whose positions form the state (n_joints <= state_dim).
-        action_joint_names: joint driven by action dimension i, i < len <= action_dim.
-        state_dim, action_dim: the model's widths.
-        state_normalizer: quantile stats over the state_dim state dimensions.
-        action_normalizer: quantile stats over the action_dim action dimensions.
-        gripper: optional threshold applied after unnormalization.
+        camera_names: ordered (e.g. the node's camera topics); camera k -> image k.
+        joint_names: ordered joints whose positions form `Observation.state`.
+        action_joint_names: joint driven by action dimension i; default: joint_names.
+        gripper_index: action dimension binarized as the gripper command, -1 = off.
+        gripper_threshold: robot units; an action >= threshold -> gripper_closed, else
+            gripper_open (e.g. 128 on a 0..255 gripper scale, open 0, closed 1).
+    Raises:
+        TypeError, ValueError: a list of names that is a string, empty, holds an empty or
+            non-string name, or repeats a name.
     """
 
     camera_names: tuple[str, ...]
     joint_names: tuple[str, ...]
-    action_joint_names: tuple[str, ...]
-    state_dim: int
-    action_dim: int
-    state_normalizer: QuantileNormalizer
-    action_normalizer: QuantileNormalizer
-    gripper: GripperThreshold | None = None
+    action_joint_names: tuple[str, ...] | None = None
+    gripper_index: int = -1
+    gripper_threshold: float = 0.0
+    gripper_open: float = 0.0
+    gripper_closed: float = 1.0
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__   # frozen: normalize the fields once, here
+        set_(self, 'camera_names', _names(self.camera_names, 'camera_names'))
+        set_(self, 'joint_names', _names(self.joint_names, 'joint_names'))
+        set_(self, 'action_joint_names', _names(
+            self.joint_names if self.action_joint_names is None else self.action_joint_names,
+            'action_joint_names'))
 
     @classmethod
-    def from_config(cls, cfg: MolmoBotConfig, camera_names: Sequence[str] | None = None,
-                    joint_names: Sequence[str] | None = None,
-                    action_joint_names: Sequence[str] | None = None,
-                    gripper: GripperThreshold | None = None) -> RobotContract:
-        """Check the robot's names against the model config and build the contract.
+    def numbered(cls, num_cameras: int, num_joints: int, **gripper) -> RobotContract:
+        """Cameras 'camera_0'.. and joints 'joint_0'.. (each joint driven by its action
+        dimension): the engine's default (the model's max_images and state_dim), and for
+        tests and notebooks. gripper: the gripper_* fields."""
+        return cls(camera_names=tuple(f'camera_{k}' for k in range(num_cameras)),
+                   joint_names=tuple(f'joint_{k}' for k in range(num_joints)), **gripper)
 
-        Args:
-            cfg: model config (max_images, state_dim, action_dim, norm_stats).
-            camera_names: default 'camera_0'.. for cfg.max_images cameras.
-            joint_names: default 'joint_0'.. for cfg.state_dim joints.
-            action_joint_names: default the first min(n_joints, action_dim) joint names.
-            gripper: optional; its dim must be < cfg.action_dim.
-        Raises:
-            TypeError, ValueError: empty/duplicate names; fewer than 2 or more than
-                cfg.max_images cameras (never dropped silently); more joints than
-                cfg.state_dim; more action joints than cfg.action_dim; gripper dim out of
-                range; missing or mis-sized norm_stats (see `normalizers_from_config`).
-        """
-        if camera_names is None:
-            camera_names = [f'camera_{k}' for k in range(cfg.max_images)]
-        if joint_names is None:
-            joint_names = [f'joint_{i}' for i in range(cfg.state_dim)]
-        cameras = _names(camera_names, 'camera_names')
-        joints = _names(joint_names, 'joint_names')
-        if action_joint_names is None:
-            action_joint_names = joints[:cfg.action_dim]
-        action_joints = _names(action_joint_names, 'action_joint_names')
-        if not 2 <= len(cameras) <= cfg.max_images:
-            raise ValueError(f'camera_names has {len(cameras)} cameras {list(cameras)}, the model '
-                             f'takes 2..{cfg.max_images} (max_images); extra cameras are never '
-                             'dropped silently, and a single image uses an upstream layout that '
-                             'is not reproduced')
-        if not 1 <= len(joints) <= cfg.state_dim:
-            raise ValueError(f'joint_names has {len(joints)} joints, the model state width is '
-                             f'{cfg.state_dim} (state_dim); expected 1..{cfg.state_dim}')
-        if len(action_joints) > cfg.action_dim:
-            raise ValueError(f'action_joint_names has {len(action_joints)} joints, the model '
-                             f'outputs only {cfg.action_dim} action dimensions (action_dim)')
-        if gripper is not None and not 0 <= gripper.dim < cfg.action_dim:
-            raise ValueError(f'gripper dim {gripper.dim} is outside the action dimensions '
-                             f'0..{cfg.action_dim - 1}')
-        state_normalizer, action_normalizer = normalizers_from_config(cfg)
-        return cls(camera_names=cameras, joint_names=joints, action_joint_names=action_joints,
-                   state_dim=cfg.state_dim, action_dim=cfg.action_dim,
-                   state_normalizer=state_normalizer, action_normalizer=action_normalizer,
-                   gripper=gripper)
-
-    # ------------------------------------------------------------------ inputs
-    def order_images(self, images_by_camera: Mapping[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-        """Frames keyed by camera name -> tuple in image order. Extra keys are ignored.
+    def check(self, model: MolmoBotConfig) -> None:
+        """The contract against the model it drives.
 
         Raises:
-            KeyError: a configured camera is missing (the message names all missing ones).
+            ValueError naming the field: fewer than 2 or more than max_images cameras
+                (upstream would silently drop the extra ones; a single image uses an upstream
+                layout that is not reproduced), more joint_names than state_dim, more
+                action_joint_names than action_dim, a gripper_index outside -1..action_dim-1.
         """
-        missing = [name for name in self.camera_names if name not in images_by_camera]
-        if missing:
-            raise KeyError(f'no image for camera(s) {missing}; expected {list(self.camera_names)}')
-        return tuple(images_by_camera[name] for name in self.camera_names)
+        n = len(self.camera_names)
+        if not 2 <= n <= model.max_images:
+            raise ValueError(f'{n} camera{"s" if n != 1 else ""} {list(self.camera_names)}: the '
+                             f'model takes 2 to max_images={model.max_images} images; list 2 to '
+                             f'{model.max_images} cameras (extra cameras are never dropped '
+                             'silently; a single image uses an upstream layout that is not '
+                             'reproduced)')
+        if len(self.joint_names) > model.state_dim:
+            raise ValueError(f'joint_names has {len(self.joint_names)} joints but the model '
+                             f'state has state_dim={model.state_dim}')
+        if len(self.action_joint_names) > model.action_dim:
+            raise ValueError(f'action_joint_names has {len(self.action_joint_names)} joints but '
+                             f'the model acts in action_dim={model.action_dim}')
+        if not -1 <= self.gripper_index < model.action_dim:
+            raise ValueError(f'gripper_index={self.gripper_index} is not an action dimension of '
+                             f'the model (0..{model.action_dim - 1}, or -1 for off)')
 
-    def state_from_joint_state(self, names: Sequence[str], positions: Sequence[float]
-                               ) -> np.ndarray:
-        """A JointState's (name, position) lists -> the state vector, matched by name.
+    def check_camera_count(self, n_images: int) -> None:
+        """ValueError unless an observation carries one image per camera."""
+        if n_images != len(self.camera_names):
+            raise ValueError(f'observation has {n_images} images, the robot contract has '
+                             f'{len(self.camera_names)} cameras {list(self.camera_names)}')
 
-        Args:
-            names: joint names as in `sensor_msgs/JointState.name` (any order, may hold
-                more joints than the contract uses).
-            positions: same length as names; rad (or m) as the robot reports them.
-        Returns:
-            float32 (n_joints,) raw robot units, in `joint_names` order (`Observation.state`).
+    def threshold_gripper(self, actions: np.ndarray) -> np.ndarray:
+        """float32 (H, action_dim) robot units -> the same, column gripper_index binarized
+        (>= gripper_threshold -> gripper_closed, else gripper_open); unchanged when off."""
+        if self.gripper_index < 0:
+            return actions
+        out = np.array(actions, dtype=np.float32, copy=True)
+        column = out[:, self.gripper_index]
+        out[:, self.gripper_index] = np.where(column >= self.gripper_threshold,
+                                              self.gripper_closed, self.gripper_open)
+        return out
+
+    def joint_positions(self, actions: np.ndarray) -> np.ndarray:
+        """(H, action_dim) robot units -> (H, len(action_joint_names)): the first dimensions,
+        one per action joint, in action_joint_names order.
+
         Raises:
-            ValueError: names and positions differ in length; a configured joint is
-                missing (the message names all missing ones); a used position is not
-                finite.
+            ValueError: not 2-D, or fewer action dimensions than action joints.
         """
-        names = list(names)
-        positions = np.asarray(positions, dtype=np.float64).reshape(-1)
-        if len(names) != positions.size:
-            raise ValueError(f'joint state has {len(names)} names but {positions.size} positions')
-        index = {name: i for i, name in enumerate(names)}
-        missing = [name for name in self.joint_names if name not in index]
-        if missing:
-            raise ValueError(f'joint state lacks joint(s) {missing}; it has {names}')
-        state = positions[[index[name] for name in self.joint_names]].astype(np.float32)
-        if not np.all(np.isfinite(state)):
-            bad = [n for n, v in zip(self.joint_names, state) if not np.isfinite(v)]
-            raise ValueError(f'joint state positions are not finite for {bad}')
-        return state
+        actions = np.asarray(actions)
+        n = len(self.action_joint_names)
+        if actions.ndim != 2 or actions.shape[1] < n:
+            raise ValueError(f'actions must have shape (horizon, >= {n}) for action joints '
+                             f'{list(self.action_joint_names)}, got {actions.shape}')
+        return actions[:, :n]
+
+
+class RobotTransforms:
+    """A `RobotContract` bound to one model: the serving path's state transform (in) and
+    action transform (out), with the model's quantile statistics (`normalizers_from_config`).
+
+    Args:
+        contract: the robot's contract.
+        model: the model config (max_images, state_dim, action_dim, norm_stats).
+    Raises:
+        ValueError: `contract.check(model)`; missing or mis-sized norm_stats.
+    """
+
+    def __init__(self, contract: RobotContract, model: MolmoBotConfig) -> None:
+        contract.check(model)
+        self.contract = contract
+        self.state_dim, self.action_dim = model.state_dim, model.action_dim
+        self.state_normalizer, self.action_normalizer = normalizers_from_config(model)
 
     def normalize_state(self, state: np.ndarray | Sequence[float]) -> np.ndarray:
-        """Raw state (n_joints,) -> float32 (state_dim,) normalized, zero-padded.
+        """Raw state (n_joints,), robot units, joint_names order -> float32 (state_dim,):
+        quantile-normalized, zero-padded in normalized space.
 
         Raises:
             ValueError: not n_joints values, or non-finite values.
         """
         state = np.asarray(state, dtype=np.float32)
-        n = len(self.joint_names)
+        joints = self.contract.joint_names
+        n = len(joints)
         if state.shape != (n,):
-            raise ValueError(f'state must have shape ({n},) for joints {list(self.joint_names)}, '
-                             f'got {state.shape}')
+            raise ValueError(f'state must have shape ({n},) for joints {list(joints)}, got '
+                             f'{state.shape}')
         if not np.all(np.isfinite(state)):
-            raise ValueError(f'state must be finite, got {state.tolist()}')
+            raise ValueError(f'state has non-finite values {state.tolist()} (joints '
+                             f'{list(joints)})')
         padded = np.zeros(self.state_dim, dtype=np.float32)
         padded[:n] = state
         normalized = self.state_normalizer.normalize(padded)
         normalized[n:] = 0.0
         return normalized
 
-    # ------------------------------------------------------------------ outputs
     def postprocess(self, actions_normalized: np.ndarray) -> np.ndarray:
         """Model output -> robot units: quantile unnormalize, then the gripper threshold.
 
@@ -206,14 +194,4 @@ class RobotContract:
             raise ValueError(f'actions must have shape (horizon, {self.action_dim}), got '
                              f'{actions_normalized.shape}')
         actions = self.action_normalizer.unnormalize(actions_normalized).astype(np.float32)
-        if self.gripper is not None:
-            actions = self.gripper.apply(actions)
-        return actions
-
-    def joint_positions(self, actions: np.ndarray) -> np.ndarray:
-        """(H, action_dim) robot units -> (H, len(action_joint_names)) for those joints."""
-        actions = np.asarray(actions)
-        if actions.ndim != 2 or actions.shape[1] != self.action_dim:
-            raise ValueError(f'actions must have shape (horizon, {self.action_dim}), got '
-                             f'{actions.shape}')
-        return actions[:, :len(self.action_joint_names)]
+        return self.contract.threshold_gripper(actions)

@@ -28,9 +28,10 @@ from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.diagnostics import Updater, policy_updater
-from molmobot_policy.ros.parameters import (ENGINE_PARAMETERS, bucket_lengths,
-                                            check_parameter_values, check_unknown_parameters,
-                                            chunk_stitcher, declare_parameters)
+from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
+                                            bucket_lengths, check_parameter_values,
+                                            check_unknown_parameters, chunk_stitcher,
+                                            declare_parameters)
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
 from molmobot_policy.timing import GcPauses, LoopEvents, PolicyLoop, freeze_heap, unfreeze_heap
 from molmobot_policy.timing.loop import STATS_WINDOW
@@ -40,8 +41,11 @@ WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many se
 
 
 def _default_engine_factory(config: dict):
+    """`PolicyEngine` of the EngineConfig fields in `config` and its 'contract'."""
     from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
-    return PolicyEngine(EngineConfig(**config))
+    options = dict(config)
+    contract = options.pop('contract')
+    return PolicyEngine(EngineConfig(**options), contract=contract)
 
 
 def read_model_config(engine_config: dict):
@@ -59,38 +63,29 @@ def read_model_config(engine_config: dict):
 
 
 def check_robot_contract(model, camera_topics, joint_names, action_joint_names,
-                         gripper_index: int = -1) -> None:
-    """The robot's parameters against the model (`MolmoBotConfig`): camera k -> image k,
-    joints -> the state (zero-padded to state_dim), action dim k -> action joint k.
-
-    Raises:
-        ValueError naming the parameter: fewer than 2 or more than max_images camera topics
-            (upstream would silently drop the extra ones), more joint_names than state_dim,
-            more action_joint_names than action_dim, gripper_index outside the action dims.
-    """
-    if not 2 <= len(camera_topics) <= model.max_images:
-        raise ValueError(f'camera_topics has {len(camera_topics)} topics but the model takes '
-                         f'2 to max_images={model.max_images} images; list 2 to '
-                         f'{model.max_images} cameras (never dropped silently)')
-    if len(joint_names) > model.state_dim:
-        raise ValueError(f'joint_names has {len(joint_names)} joints but the model state has '
-                         f'state_dim={model.state_dim}')
-    if len(action_joint_names) > model.action_dim:
-        raise ValueError(f'action_joint_names has {len(action_joint_names)} joints but the '
-                         f'model acts in action_dim={model.action_dim}')
-    if not -1 <= gripper_index < model.action_dim:
-        raise ValueError(f'gripper_index={gripper_index} is not an action dimension of the '
-                         f'model (0..{model.action_dim - 1}, or -1 for off)')
+                         gripper_index: int = -1, gripper_threshold: float = 0.0,
+                         gripper_open: float = 0.0, gripper_closed: float = 1.0):
+    """The robot's parameters as a `preprocess.transforms.RobotContract` (camera k -> image k,
+    joints -> the state, action dim k -> action joint k, the gripper), checked against the
+    model (`MolmoBotConfig`). Raises ValueError naming the parameter (`RobotContract.check`)."""
+    from molmobot_policy.preprocess.transforms import RobotContract
+    contract = RobotContract(camera_names=tuple(camera_topics), joint_names=tuple(joint_names),
+                             action_joint_names=tuple(action_joint_names),
+                             gripper_index=gripper_index, gripper_threshold=gripper_threshold,
+                             gripper_open=gripper_open, gripper_closed=gripper_closed)
+    contract.check(model)
+    return contract
 
 
 class PolicyNode(LifecycleNode):
     """The MolmoBot policy as a ROS 2 lifecycle node (parameters: `ros.parameters.PARAMETERS`).
 
     Args:
-        engine_factory: callable(dict of EngineConfig fields) -> engine with `warmup()`,
+        engine_factory: callable(dict of EngineConfig fields and 'contract', the
+            `RobotContract` of the parameters) -> engine with `warmup()`,
             `predict(Observation) -> ActionChunk`, `check_instruction(str)` (raises
             ValueError for an instruction it cannot serve), `model_config`, `mode`, `close()`.
-            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields))`.
+            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields), contract=contract)`.
         **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides).
     Raises:
         ros.parameters.ParameterError: a parameter value of the wrong type or out of range.
@@ -100,6 +95,7 @@ class PolicyNode(LifecycleNode):
         super().__init__(node_name, **kwargs)
         self._engine_factory = engine_factory or _default_engine_factory
         self.engine = None
+        self.contract = None       # the RobotContract built at configure
         self.loop: PolicyLoop | None = None    # the worker, built at activate
         self.gc_pauses = GcPauses(STATS_WINDOW)
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
@@ -138,26 +134,26 @@ class PolicyNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         cameras = list(self._param('camera_topics'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
-        from molmobot_policy.runtime.engine import fused_action_expert_mode
+        from molmobot_policy.runtime.config import fused_action_expert_mode
         engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
             engine_config['fused_action_expert'])
-        engine_config['num_cameras'] = len(cameras)
         started = time.monotonic()
         try:
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
-            contract = (cameras, list(self._param('joint_names')),
-                        list(self._param('action_joint_names')), engine_config['gripper_index'])
             # before the (possibly long) weight load: the checkpoint's config.yaml only
-            check_robot_contract(read_model_config(engine_config), *contract)
+            contract = check_robot_contract(
+                read_model_config(engine_config), cameras, list(self._param('joint_names')),
+                list(self._param('action_joint_names')),
+                **{name: self._param(name) for name in CONTRACT_PARAMETERS})
             self.get_logger().info(f"configuring: building engine (model "
                                    f"{engine_config['checkpoint_path'] or engine_config['model']!r}"
                                    f", device {engine_config['device']!r}, {len(cameras)} "
                                    'cameras)')
-            self.engine = self._engine_factory(engine_config)
-            check_robot_contract(self.engine.model_config, *contract)
+            self.engine = self._engine_factory({**engine_config, 'contract': contract})
+            self.contract = contract
             self._check_not_shut_down()
             self.get_logger().info('configuring: warming up the engine')
             self.engine.warmup(progress=self._warmup_progress)

@@ -88,8 +88,8 @@ PARAMETERS = {
                                        _S)),
     'tokenizer': ('auto', _descriptor(
         'which tokenizer serves the model', _S, constraints="'auto' (tokenizer_path or the "
-        'tokenizer.json beside the checkpoint; the built-in tiny one for tiny-vocabulary models '
-        "and random weights), 'tiny' or 'file'")),
+        'tokenizer.json beside the checkpoint; the built-in tiny one for random weights), '
+        "'tiny' (the built-in one, also for a checkpoint trained with it) or 'file'")),
     'norm_stats_key': ('', _descriptor(
         "dataset key of the checkpoint's normalization stats (stats_by_repo), e.g. "
         "'synthmanip'; empty: the checkpoint's default_repo_id", _S)),
@@ -160,8 +160,8 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'instruction', 'gripper_index',
-                     'gripper_threshold', 'gripper_open', 'gripper_closed')
+                     'fused_action_expert', 'instruction')
+CONTRACT_PARAMETERS = ('gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
 

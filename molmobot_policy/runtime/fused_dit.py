@@ -1,13 +1,11 @@
 """One persistent Triton kernel per flow step for the action expert's DiT blocks (CUDA only).
 
 Why: the 10-step x 36-block flow loop is bound by kernel latency, not by arithmetic or memory.
-Each block-step reads ~22 MB (16.5 MB of weights, 5.2 MB of cross-attention K/V), ~5 us at
-HBM speed, but the compiled block runs it as ~25 kernels of ~3 us each (~73 us; issue 4 and
-benchmarks/RESULTS.md "Where the time goes"). Here one launch runs every block of one flow
-step with all SMs: the 16 action tokens stay in a small float32 scratch (in L2), each phase
-of a block (below) is split over the whole grid, and the phases are separated by a grid-wide
-barrier (an atomic counter) instead of a kernel boundary. On an H200 the 10-step loop takes
-12.6 ms instead of 26.6 ms (benchmarks/benchmark_fused_dit.py; RESULTS.md "Fused DiT kernel").
+Each block-step reads ~22 MB (16.5 MB of weights, 5.2 MB of cross-attention K/V), a few us at
+HBM speed, but the compiled block runs it as ~25 kernels, each paying a launch. Here one
+launch runs every block of one flow step with all SMs: the 16 action tokens stay in a small
+float32 scratch (in L2), each phase of a block (below) is split over the whole grid, and the
+phases are separated by a grid-wide barrier (an atomic counter) instead of a kernel boundary.
 
 A prologue (phase 9, once per step) takes the input tokens into the float32 residual stream
 (x, xm and the row statistics below); the last block's fc2 phase writes the output tokens:
@@ -30,10 +28,10 @@ runs as a plain pipelined GEMM on xm and applies the normalization in its epilog
 rstd * (xm @ W^T - mean * W(1 + scale)) + W shift, with W(1 + scale) and W shift computed once
 per flow time (`FusedDiTStep.tables`, like the engine's precomputed AdaLN conditioning).
 Every GEMM tile loads its epilogue's operands (row statistics, u / v, bias; the residual's x,
-gate and next scale) before its K loop, so their L2 round trips overlap the weight loads
-(14.3 -> 13.0 ms for the loop on an H200). The residual stream stays float32 inside the
-kernel (the reference rounds it to the parameter dtype after every op); matmuls take
-parameter-dtype operands with float32 accumulation, as cuBLAS does. Agreement with float32 is
+gate and next scale) before its K loop, so their L2 round trips overlap the weight loads.
+The residual stream stays float32 inside the kernel (the reference rounds it to the
+parameter dtype after every op); matmuls take parameter-dtype operands with float32
+accumulation, as cuBLAS does. Agreement with float32 is
 closer than the bf16 blocks' (tested on the GPU).
 
 Safety of the grid barrier: the grid is exactly one program per SM, launched alone on the
@@ -51,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from molmobot_policy.model.stacking import is_stack_of, stack_parameters_
+from molmobot_policy.runtime.stacking import is_stack_of, stack_parameters_
 
 try:   # triton ships with CUDA builds of torch; CPU builds run the torch path
     import triton
@@ -519,7 +517,8 @@ class FusedDiTStep:
     that zeroes its barrier counter: two launches per step).
 
     Args:
-        ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place).
+        ae: the `ActionExpert` (its blocks' weights are stacked and re-pointed, in place; the
+        engine does this at load time, `runtime.serving.ServedActionExpert`).
         phased: one launch per phase instead of grid barriers (interpreter / debugging).
         tiles: overrides of the tile sizes (BN, BNW, BK, BKA, BS, S2), num_warps, num_stages,
             POLL (barrier wait: 0 atomic reads, 1 acquire loads; `_grid_sync`), SKIP (1:

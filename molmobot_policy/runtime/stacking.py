@@ -1,7 +1,7 @@
 """Same-shape parameters kept as slices of one stacked tensor (no second copy).
 
-Used where one GEMM over the stacked weights replaces several (the action expert's per-block
-K/V projections, the ViT's q / k / v projections, the fused DiT kernel's weights).
+Used where one GEMM over the stacked weights replaces several at serving time (the action
+expert's per-block cross-attention K/V projections, the fused DiT kernel's weights).
 """
 from __future__ import annotations
 

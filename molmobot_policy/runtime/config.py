@@ -1,0 +1,126 @@
+"""`EngineConfig`: the inference engine's options (each also a node parameter of the same name).
+The robot's side (cameras, joints, gripper) is the `preprocess.transforms.RobotContract` given
+to the engine beside it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from molmobot_policy.preprocess.prompt import OVERLONG_MODES
+from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
+FUSED_AE_MODES = ('auto', 'on', 'off')
+
+
+def fused_action_expert_mode(value):
+    """`fused_action_expert` as written by a user: True / False (YAML's unquoted on / off,
+    `-p fused_action_expert:=on`) read as 'on' / 'off'; any other value unchanged
+    (`EngineConfig` validates it)."""
+    if isinstance(value, bool):
+        return 'on' if value else 'off'
+    return value
+
+
+@dataclass
+class EngineConfig:
+    """Engine options; each is also a node parameter of the same name.
+
+    Attributes:
+        model: preset name (`MolmoBotConfig.from_name`), used when `checkpoint_path` is empty.
+        checkpoint_path: upstream checkpoint directory (config.yaml + model.pt/safetensors).
+        tokenizer_path: Qwen tokenizer.json (file or directory); default: beside the checkpoint.
+        tokenizer: 'auto', 'tiny' or 'file' (`preprocess.tokenizer.resolve_tokenizer`): auto
+            takes tokenizer_path / the tokenizer.json beside the checkpoint, else the built-in
+            tiny tokenizer for random weights (no checkpoint), else fails naming the file
+            needed; 'tiny' serves the built-in tokenizer to a checkpoint of its token ids.
+            Ignored when the engine is given a tokenizer object.
+        norm_stats_key: dataset key of the checkpoint's normalization stats
+            (`stats_by_repo`, e.g. 'synthmanip'); '' = the checkpoint's default_repo_id.
+        device: 'cpu', 'cuda', 'cuda:1', ...
+        dtype: serving dtype of the weights: 'float32', 'bfloat16' or 'float16'.
+        seed: seed of the random weights (no checkpoint) and of the flow noise.
+        flow_steps: Euler steps; 0 = the model config's (10 upstream).
+        compile: torch.compile every repeated block (inductor, regional compilation);
+            note: compiles the (possibly shared) model in place. On CUDA, row reductions
+            of up to PERSISTENT_ROW_LIMIT elements compile to one-pass kernels
+            (`runtime.compile.wide_row_reductions`).
+        cuda_graphs: capture each bucket's query as one CUDA graph (CUDA only).
+        kv_cache: compute the action expert's cross-attention context once per query
+            (False recomputes it every flow step; for comparison only).
+        buckets: fixed prompt lengths (tokens) to pad to; empty = no padding (eager only).
+        overlong: what to do with a prompt longer than the largest bucket (without buckets:
+            than the model's max_sequence_length): 'error' or 'truncate' (words are cut from
+            the end of the instruction until it fits).
+        quantize: 'none', or 'fp8' / 'fp8-rowwise' / 'fp8-tensor' for e4m3 LLM Linears.
+        vit_fp32_attention: upstream's `float32_attention` in the ViT's self-attention
+            (q, k, v cast to float32 before attention). False (default) runs the fused bf16
+            kernel, which also accumulates in float32 but rounds the probabilities to bf16,
+            for a much faster ViT. No effect when dtype is float32. The pooling attention
+            always runs in float32 (`runtime.serving`).
+        fused_action_expert: run each flow step's DiT blocks as one persistent Triton kernel
+            (`runtime.fused_dit`; CUDA, bf16/fp16, with kv_cache): 'auto' (default) uses it
+            when the engine compiles or captures graphs and the kernel can serve the model,
+            else the compiled blocks, with a log line saying why; 'on' requires it (error
+            otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
+            runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
+            the residual stream stays float32 in the kernel).
+        instruction: default instruction, used when an observation carries none.
+    """
+
+    model: str = 'tiny'
+    checkpoint_path: str = ''
+    tokenizer_path: str = ''
+    tokenizer: str = 'auto'
+    norm_stats_key: str = ''
+    device: str = 'cpu'
+    dtype: str = 'float32'
+    seed: int = 0
+    flow_steps: int = 0
+    compile: bool = False
+    cuda_graphs: bool = False
+    kv_cache: bool = True
+    buckets: tuple[int, ...] = ()
+    overlong: str = 'error'
+    quantize: str = 'none'
+    vit_fp32_attention: bool = False
+    fused_action_expert: str = 'auto'
+    instruction: str = ''
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f'dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}')
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f'quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}')
+        if self.tokenizer not in TOKENIZER_MODES:
+            raise ValueError(f'tokenizer must be one of {TOKENIZER_MODES}, got {self.tokenizer!r}')
+        if self.norm_stats_key and not self.checkpoint_path:
+            raise ValueError(f'norm_stats_key={self.norm_stats_key!r} needs a checkpoint_path '
+                             '(presets carry one set of stats)')
+        self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
+        if self.fused_action_expert not in FUSED_AE_MODES:
+            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
+                             f'{self.fused_action_expert!r}')
+        if self.fused_action_expert == 'on':
+            if not self.kv_cache:
+                raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads '
+                                 'the cached cross-attention K/V)')
+            if not self.device.startswith('cuda'):
+                raise ValueError(f'fused_action_expert=on needs a CUDA device, got '
+                                 f'device={self.device!r}')
+            if self.dtype == 'float32':
+                raise ValueError("fused_action_expert=on needs dtype 'bfloat16' or 'float16', "
+                                 "got 'float32'")
+        if self.overlong not in OVERLONG_MODES:
+            raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
+        self.buckets = tuple(sorted(int(b) for b in self.buckets))
+        if any(b <= 0 for b in self.buckets):
+            raise ValueError(f'buckets must be positive token counts, got {self.buckets}')
+        if self.cuda_graphs and not self.buckets:
+            raise ValueError('cuda_graphs needs fixed shapes: set buckets (e.g. [2048])')
+        if self.cuda_graphs and not self.device.startswith('cuda'):
+            raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
+        if self.quantize != 'none' and not self.device.startswith('cuda'):
+            raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')
