@@ -76,11 +76,12 @@ def run_rung(name: str, model, config: dict, obs: Observation, noise: np.ndarray
         torch.cuda.reset_peak_memory_stats()
     engine, warm_s = common.make_engine(config, model=model, label=name)
     with torch.inference_mode():
-        text, images, states = common.device_inputs(engine, obs)
+        inputs = common.device_inputs(engine, obs)
+        text = inputs.text
         noise_t = torch.as_tensor(noise, device=device)[None]
 
         def generate():
-            return engine._run(text, images, states, noise_t)
+            return engine.sample_actions(inputs, noise_t)
 
         reference = generate()[0].float().cpu().numpy()
         model_iters = iters if config.get('cuda_graphs') or config.get('compile') else max(
@@ -91,7 +92,7 @@ def run_rung(name: str, model, config: dict, obs: Observation, noise: np.ndarray
     query = common.time_calls(lambda: engine.predict(obs), model_iters, cuda)
     row = {'rung': name, 'config': {k: (list(v) if isinstance(v, tuple) else v)
                                     for k, v in config.items()},
-           'fp8': engine.fp8, 'bucket': text.bucket, 'prompt_tokens': text.length,
+           'fp8': engine.mode['fp8'], 'bucket': text.bucket, 'prompt_tokens': text.length,
            'warmup_s': warm_s, 'generate_actions_ms': common.summary(gen, samples=True),
            'full_query_ms': common.summary(query, samples=True),
            'actions_normalized': reference.tolist()}

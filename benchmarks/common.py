@@ -67,11 +67,10 @@ def make_engine(config: dict, model=None, warm_up: bool = True, label: str = '')
 
 
 def device_inputs(engine, observation):
-    """(text inputs, images, states) of `observation` on the engine's device: the inputs of
-    the device part of a query, i.e. what `engine.predict` builds before the model runs."""
-    return (engine.text_inputs(observation.instruction or INSTRUCTION),
-            engine._images_to_device(observation.images),
-            engine._states_to_device(observation.state))
+    """`preprocess.pipeline.ModelInputs` of `observation` on the engine's device: the inputs of
+    the device part of a query (`engine.sample_actions`), what `engine.predict` builds before
+    the model runs."""
+    return engine.preprocessor(observation, observation.instruction or INSTRUCTION)
 
 
 # ---------------------------------------------------------------------------------- timing

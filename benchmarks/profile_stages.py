@@ -57,21 +57,22 @@ def main() -> None:
     engine, _ = common.make_engine(dict(model=args.preset, device=device, dtype='bfloat16',
                                         compile=True, buckets=buckets), warm_up=False)
     model, ae = engine.model, engine.model.action_expert
+    served = engine.served.action_expert    # the served K/V, conditioning and fused kernel
     mcfg = engine.model_config
-    obs = common.full_size_observation(engine.num_cameras, mcfg.state_dim, seed=0)
+    obs = common.full_size_observation(len(engine.contract.camera_names), mcfg.state_dim, seed=0)
     with torch.inference_mode():
-        text, images, states = common.device_inputs(engine, obs)
-        states = states.to(engine.dtype)
+        inputs = common.device_inputs(engine, obs)
+        text, images, states = inputs.text, inputs.images, inputs.states
         noise = torch.randn(1, mcfg.action_horizon, mcfg.action_dim, device=device)
-        llm_in = dict(input_ids=text.input_ids, images=images, token_pooling=text.token_pooling,
-                      position_ids=text.position_ids, attention_mask=text.attention_mask,
-                      image_positions=text.image_positions)
+        llm_in = dict(input_ids=inputs.input_ids, images=images,
+                      token_pooling=inputs.token_pooling, position_ids=inputs.position_ids,
+                      attention_mask=inputs.attention_mask, image_positions=inputs.image_positions)
         # the first call compiles the blocks, with the engine's one-pass row reductions
-        # (`runtime.engine.compile_module_`)
-        hidden = model.llm_hidden_states(**llm_in)
-        ctx = ae.prepare_context(hidden, text.attention_mask, states, engine._cross_out_bias)
-        cond, steps = engine._conditioning, engine.flow_steps
-        fused = engine._fused_blocks     # the engine's fused DiT kernel (None: not used)
+        # (`runtime.compile.compile_module_`)
+        hidden = model.select_ae_layers(model.llm_hidden_states(**llm_in))
+        ctx = served.context(hidden, inputs.attention_mask, states)
+        steps = engine.flow_steps
+        fused = served.fused_steps       # the engine's fused DiT kernel (None: not used)
 
         def vision_fn(images, token_pooling):
             return model.vision_backbone(images, token_pooling)
@@ -80,23 +81,25 @@ def main() -> None:
             return model.llm_hidden_states(**kw)
 
         def context_fn(hidden, attention_mask, states):
-            return ae.prepare_context(hidden, attention_mask, states, engine._cross_out_bias).keys
+            return served.context(hidden, attention_mask, states).keys
 
         def loop_fn(noise, keys, values, mask_bias, state_tokens, out_bias, use_fused=True):
             c = ActionExpertContext(keys, values, mask_bias, state_tokens, out_bias)
             x = noise
             for i in range(steps):
                 blocks_fn = fused[i] if fused and use_fused else None
-                x = x + (1.0 / steps) * ae.velocity_from_conditioning(x, cond[i], c, blocks_fn)
+                x = x + (1.0 / steps) * ae.velocity_from_conditioning(
+                    x, served.conditioning[i], c, blocks_fn)
             return x
 
         def loop_blocks_fn(**kw):
             return loop_fn(**kw, use_fused=False)
 
         stages = {
-            'vision': (vision_fn, dict(images=images, token_pooling=text.token_pooling)),
+            'vision': (vision_fn, dict(images=images, token_pooling=inputs.token_pooling)),
             'llm (incl. vision)': (llm_fn, llm_in),
-            'prepare_context': (context_fn, dict(hidden=hidden, attention_mask=text.attention_mask,
+            'prepare_context': (context_fn, dict(hidden=hidden,
+                                                 attention_mask=inputs.attention_mask,
                                                  states=states)),
             'flow_loop': (loop_fn, dict(noise=noise, keys=ctx.keys, values=ctx.values,
                                         mask_bias=ctx.mask_bias, state_tokens=ctx.state_tokens,

@@ -434,3 +434,11 @@ def test_compiled_vit_blocks_with_stacked_qkv_share_one_graph():
         compiled = vit(patches)[-1]
     assert counters['stats']['unique_graphs'] - before == 1
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_warmup_measures_one_query_for_the_first_latency_estimate():
+    engine = PolicyEngine(EngineConfig(model='tiny', device='cpu', dtype='float32', seed=0,
+                                       instruction='pick up the cube'))
+    assert engine.inference_seconds is None
+    engine.warmup()
+    assert 0.0 < engine.inference_seconds < engine.warmup_seconds

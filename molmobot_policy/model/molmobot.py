@@ -130,11 +130,14 @@ class MolmoBot(nn.Module):
     # -- actions -------------------------------------------------------------------------
 
     def select_ae_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n_layers, B, L, d) -> (n_ae_blocks, B, L, d) by cfg.ae_layer_ids."""
+        """(n_layers, B, L, d) -> (n_ae_blocks, B, L, d) by cfg.ae_layer_ids.
+
+        Indexed with Python ints and stacked, not with a list: a list index becomes a host
+        tensor copied to the device, which a CUDA graph capture refuses."""
         ids = self.cfg.ae_layer_ids
         if ids == tuple(range(hidden.shape[0])):
             return hidden
-        return hidden[list(ids)]
+        return torch.stack([hidden[i] for i in ids])
 
     def generate_actions(self, input_ids: torch.Tensor, images: torch.Tensor,
                          token_pooling: torch.Tensor, states: torch.Tensor,

@@ -120,6 +120,7 @@ class PolicyEngine:
         self._runners: dict[int, StaticRunner] = {}
         self._noise_generator = torch.Generator().manual_seed(config.seed)
         self.warmup_seconds = 0.0
+        self.inference_seconds: float | None = None    # one warm query, measured at warm-up
 
     def _make_query_fn(self) -> Callable[..., torch.Tensor]:
         """The device part of one query as one function of tensors: the served, K/V-cached form
@@ -199,7 +200,8 @@ class PolicyEngine:
         return torch.as_tensor(noise, device=self.device)[None]
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compiles and captures every bucket (or runs once, eager); returns seconds taken."""
+        """Compiles and captures every bucket (or runs once, eager), then times one query
+        (`inference_seconds`); returns seconds taken."""
         say = progress or log.info
         start = time.perf_counter()
         rng = np.random.default_rng(0)
@@ -222,9 +224,23 @@ class PolicyEngine:
                 say(f'warm-up: bucket {bucket} ready in {time.perf_counter() - t0:.1f} s')
             if self.device.type == 'cuda':
                 torch.cuda.synchronize(self.device)
+        self.inference_seconds = self._time_warm_query(frames, state)
         self.warmup_seconds = time.perf_counter() - start
-        say(f'warm-up done in {self.warmup_seconds:.1f} s')
+        say(f'warm-up done in {self.warmup_seconds:.1f} s (one query '
+            f'{self.inference_seconds * 1e3:.0f} ms)')
         return self.warmup_seconds
+
+    def _time_warm_query(self, frames: tuple[np.ndarray, ...], state: np.ndarray) -> float:
+        """Seconds of one whole `predict` after warm-up (the second of two, the first may still
+        touch cold caches): the node's first latency estimate, before any measured inference."""
+        observation = Observation(images=frames, state=state,
+                                  instruction=self.config.instruction.strip() or 'warm up')
+        noise = np.zeros((self.model_config.action_horizon, self.model_config.action_dim),
+                         np.float32)     # explicit: the seeded noise stream stays the served one's
+        seconds = 0.0
+        for _ in range(2):
+            seconds = self.predict(observation, noise=noise).inference_ms / 1e3
+        return seconds
 
     def predict(self, observation: Observation, noise: np.ndarray | None = None) -> ActionChunk:
         """Runs one query.
