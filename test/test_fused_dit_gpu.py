@@ -17,6 +17,7 @@ import torch
 
 from molmobot_policy.model import checkpoint as ckpt
 from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.runtime import fused_dit
 from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
 from molmobot_policy.types import Observation
@@ -162,10 +163,10 @@ def fp32_reference_actions(model32, engine: PolicyEngine, obs: Observation,
     stats = SELF_ATTN.norm_stats
     q01, q99 = (np.asarray(v, np.float32) for v in (stats.state_q01, stats.state_q99))
     states = torch.from_numpy(2 * (obs.state - q01) / np.maximum(q99 - q01, 1e-6) - 1)[None, None]
-    inputs = (text.input_ids[:, :n].cpu(), torch.from_numpy(patches)[None],
-              text.token_pooling.cpu())
-    where = dict(position_ids=text.position_ids[:, :n].cpu(),
-                 image_positions=text.image_positions.cpu())
+    inputs = (torch.tensor(text.input_ids[:n])[None], torch.from_numpy(patches)[None],
+              torch.tensor(text.token_pooling)[None])
+    where = dict(position_ids=torch.tensor(text.position_ids[:n])[None],
+                 image_positions=torch.tensor(text.image_positions)[None])
     noise_t = torch.from_numpy(noise)[None]
     with torch.no_grad():
         actions = model32.generate_actions(*inputs, states, noise=noise_t, **where)
@@ -186,8 +187,9 @@ def test_self_attn_engine_in_bf16_matches_the_fp32_reference(self_attn_models, f
     torch._dynamo.reset()
     engine = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16',
                                        compile=True, cuda_graphs=True, buckets=(512,),
-                                       num_cameras=2, instruction=INSTRUCTION,
-                                       fused_action_expert=fused), model=model_bf)
+                                       instruction=INSTRUCTION, fused_action_expert=fused),
+                          model=model_bf,
+                          contract=RobotContract.numbered(2, SELF_ATTN.state_dim))
     engine.warmup()
     assert engine.mode['fused_action_expert'] == ('on' if fused == 'on'
                                                   else 'off (as configured)')
