@@ -307,3 +307,10 @@ def test_compressed_cameras_are_subscribed_on_the_compressed_subtopic():
     assert camera_subscriptions(_values(camera_topics=topics,
                                         camera_transports=['raw', 'compressed'])) == [
         ('/a/image_raw', False), ('/b/image_raw/compressed', True)]
+
+
+def test_an_empty_yaml_list_means_no_position_limits():
+    """rcl hands `joint_position_min: []` from a parameter file to rclpy as no value (None)."""
+    from molmobot_policy.ros.parameters import motion_limiter
+    limiter = motion_limiter(_values(joint_position_min=None, joint_position_max=None))
+    assert limiter.position_min is None and limiter.position_max is None

@@ -332,3 +332,39 @@ def test_a_camera_with_an_unsupported_encoding_goes_error_after_max_image_age(gr
     assert 'max_image_age' in camera().message
     assert g.wait_for(lambda: _level(g.status('output')) == DiagnosticStatus.ERROR)
     assert 'yuv422' in g.status('output').message
+
+
+# ------------------------------------------------------------------ compressed cameras
+def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the_topic(graph):
+    """camera_transports: compressed -> the node subscribes <topic>/compressed
+    (sensor_msgs/CompressedImage); a truncated jpeg is refused and named, the node keeps
+    running and publishes again once the frames are whole."""
+    import cv2
+    from sensor_msgs.msg import CompressedImage
+    g = graph('safety_compressed', allow_random_weights=True,
+              camera_transports=['compressed'])
+    ok, jpeg = cv2.imencode('.jpg', np.zeros((16, 16, 3), np.uint8))
+    assert ok
+    corrupt = {'on': False}
+    publishers = [g.peer.create_publisher(CompressedImage, f'{t}/compressed',
+                                          qos_profile_sensor_data) for t in g.cameras]
+
+    def publish():
+        stamp = g.peer.get_clock().now().to_msg()
+        for k, publisher in enumerate(publishers):
+            data = jpeg.tobytes()[:40] if corrupt['on'] and k == 1 else jpeg.tobytes()
+            msg = CompressedImage(format='rgb8; jpeg compressed bgr8', data=data)
+            msg.header.stamp = stamp
+            publisher.publish(msg)
+    g.peer.create_timer(0.05, publish)
+    g.start()
+    assert g.wait_for(lambda: len(g.trajectories) >= 2), g.log.text()
+    assert f'{g.cameras[0]}/compressed' in g.log.text('info')          # the active line
+    corrupt['on'] = True
+    topic = f'{g.cameras[1]}/compressed'
+    assert g.wait_for(lambda: g.status(f'camera {topic}') is not None
+                      and 'corrupt or truncated' in g.status(f'camera {topic}').message)
+    assert f"compressed image on '{topic}'" in g.log.text('warning')   # the skip, named
+    corrupt['on'] = False
+    count = len(g.trajectories)
+    assert g.wait_for(lambda: len(g.trajectories) > count + 1), g.log.text()

@@ -306,9 +306,11 @@ def check_parameter_values(parameter) -> None:
 
 def per_joint(parameter, name: str) -> list[float] | None:
     """A per-action-joint list parameter (float or list) as one float per action joint, or
-    None when empty; `parameter(name)` -> its value. Raises ParameterError otherwise."""
+    None when empty (an empty YAML list reaches rclpy as no value: None); `parameter(name)`
+    -> its value. Raises ParameterError otherwise."""
     value, joints = parameter(name), len(parameter('action_joint_names'))
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) \
+        else [value]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ParameterError(name, value, f'is not a number or a list of numbers (one value, '
                                           f'or one per action joint: {joints})')
