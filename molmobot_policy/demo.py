@@ -9,8 +9,12 @@ listens to the published chunks (`/molmobot_policy/joint_trajectory`, the per-ch
 then stops both processes (SIGINT, then SIGKILL after a timeout).
 
     python -m molmobot_policy.demo --duration 30
+    python -m molmobot_policy.demo --compressed --chunks 3   # jpeg cameras; stop after 3 chunks
 
-Exit status: 0 when at least one chunk arrived, 1 otherwise.
+With `--compressed` the simulator publishes sensor_msgs/CompressedImage (jpeg) on
+`<camera topic>/compressed` and the node subscribes there (`camera_transports`).
+
+Exit status: 0 when at least one chunk (with --chunks: that many) arrived, 1 otherwise.
 """
 from __future__ import annotations
 
@@ -43,10 +47,13 @@ def _config(name: str) -> Path:
     return Path(get_package_share_directory('molmobot_policy')) / 'config' / name
 
 
-def _start(module: str, params_file: Path, env: dict, verbose: bool) -> subprocess.Popen:
+def _start(module: str, params_file: Path, env: dict, verbose: bool,
+           parameters: tuple = ()) -> subprocess.Popen:
+    """`python -m module --ros-args --params-file <file> [-p name:=value ...]`."""
     log_level = 'info' if verbose else 'warn'
+    overrides = [arg for parameter in parameters for arg in ('-p', parameter)]
     return subprocess.Popen([sys.executable, '-m', module, '--ros-args', '--params-file',
-                             str(params_file), '--log-level', log_level], env=env,
+                             str(params_file), *overrides, '--log-level', log_level], env=env,
                             start_new_session=True)   # Ctrl-C reaches them only through us
 
 
@@ -91,6 +98,11 @@ class Monitor:
         with self.lock:
             self.trajectories += 1
 
+    def count(self) -> int:
+        """Trajectories received so far."""
+        with self.lock:
+            return self.trajectories
+
     def _on_chunk_info(self, msg) -> None:
         values = {kv.key: kv.value for kv in msg.values}
         key = ChunkInfo
@@ -134,7 +146,14 @@ def main(argv=None) -> int:
                         help='sim robot parameter file (default config/sim.yaml)')
     parser.add_argument('--verbose', action='store_true',
                         help="show the two nodes' INFO logs (default: warnings and errors)")
+    parser.add_argument('--compressed', action='store_true',
+                        help='cameras as sensor_msgs/CompressedImage (jpeg) on '
+                             '<topic>/compressed')
+    parser.add_argument('--chunks', type=int, default=0,
+                        help='stop once this many chunks arrived (default 0: run --duration)')
     args = parser.parse_args(argv)
+    sim_parameters = ('camera_transport:=compressed',) if args.compressed else ()
+    policy_parameters = ('camera_transports:=[compressed]',) if args.compressed else ()
 
     env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE='LOCALHOST', PYTHONUNBUFFERED='1')
     env.setdefault('ROS_DOMAIN_ID', '42')
@@ -161,15 +180,17 @@ def main(argv=None) -> int:
     try:
         processes.append(('sim_robot', _start('molmobot_policy.sim.robot_node',
                                               args.sim_params or _config('sim.yaml'), env,
-                                              args.verbose)))
+                                              args.verbose, sim_parameters)))
         processes.append(('policy', _start('molmobot_policy.ros.node',
                                            args.policy_params or _config('policy_tiny.yaml'),
-                                           env, args.verbose)))
+                                           env, args.verbose, policy_parameters)))
         print('demo: started sim_robot and the policy node; the first chunk follows the '
               'engine warm-up', flush=True)
         end = time.monotonic() + args.duration
         while time.monotonic() < end:
             executor.spin_once(timeout_sec=0.1)
+            if args.chunks and monitor.count() >= args.chunks:
+                break
             for name, process in processes:
                 if process.poll() is not None:
                     print(f'demo: {name} exited with status {process.returncode}')
@@ -182,7 +203,7 @@ def main(argv=None) -> int:
         print(monitor.summary(), flush=True)
         node.destroy_node()
         rclpy.try_shutdown()
-    return 0 if monitor.trajectories > 0 else 1
+    return 0 if monitor.trajectories >= max(args.chunks, 1) else 1
 
 
 if __name__ == '__main__':

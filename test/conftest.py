@@ -32,18 +32,21 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 class NodeProcess:
     """The policy node as a separate process (`python -m molmobot_policy.ros.node
-    --ros-args --params-file <yaml>`), its stdout+stderr captured to a log file."""
+    --ros-args <ros_args> --params-file <yaml>`), its stdout+stderr captured to a log file;
+    the file's one section is `section` (e.g. '/robot1/molmobot_policy' with
+    ros_args=['-r', '__ns:=/robot1'])."""
 
     def __init__(self, parameters: dict, directory: Path, name: str,
-                 sigint_ignored: bool = False) -> None:
+                 sigint_ignored: bool = False, section: str = 'molmobot_policy',
+                 ros_args=()) -> None:
         self.params_file = directory / f'{name}.yaml'
         self.params_file.write_text(yaml.dump(      # rcl's parser rejects YAML aliases
-            {'molmobot_policy': {'ros__parameters': parameters}}, Dumper=_NoAliasDumper))
+            {section: {'ros__parameters': parameters}}, Dumper=_NoAliasDumper))
         self.log_file = directory / f'{name}.log'
         env = dict(os.environ, PYTHONUNBUFFERED='1', RCUTILS_LOGGING_BUFFERED_STREAM='0')
         with open(self.log_file, 'wb') as log:
             self.process = subprocess.Popen(
-                [sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
+                [sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args', *ros_args,
                  '--params-file', str(self.params_file)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                 # as a shell script's background job starts it: Python then raises no
@@ -92,9 +95,8 @@ def ros_context():
 
 @pytest.fixture(scope='module')
 def start_policy_node(tmp_path_factory):
-    """Factory: start_policy_node(parameters, sigint_ignored=False) -> NodeProcess; every
-    process is stopped
-    (SIGINT, then SIGKILL) when the module's tests are done."""
+    """Factory: start_policy_node(parameters, **NodeProcess keywords) -> NodeProcess; every
+    process is stopped (SIGINT, then SIGKILL) when the module's tests are done."""
     processes = []
     directory = tmp_path_factory.mktemp('policy_node')
 

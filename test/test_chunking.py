@@ -163,3 +163,17 @@ def test_constructor_arguments_are_validated(kwargs, name):
 def test_times_must_be_finite(first_time, now):
     with pytest.raises(ValueError, match='must be a finite number'):
         ChunkStitcher(DT).stitch(ramp(), first_time=first_time, now=now)
+
+
+def test_commit_makes_the_published_points_the_reference_of_the_next_chunk():
+    """After MotionLimiter moved the points, the next chunk is joined (max_step) to what was
+    published, not to the plan."""
+    from dataclasses import replace
+    stitcher = ChunkStitcher(0.1, max_step=0.3)
+    first = stitcher.stitch(np.full((4, 1), 1.0), first_time=10.0, now=10.0)
+    published = replace(first, positions=np.full((4, 1), 0.2))
+    stitcher.commit(published)
+    second = stitcher.stitch(np.full((4, 1), 1.0), first_time=10.2, now=10.2)
+    assert second.positions[0, 0] == pytest.approx(0.5)      # 0.2 + max_step, not 1.0
+    with pytest.raises(ValueError, match='last stitched chunk'):
+        stitcher.commit(published)                           # not the last one any more

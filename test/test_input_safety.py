@@ -117,3 +117,47 @@ def test_reset_history_accepts_a_new_timeline_after_a_jump_back():
 def test_negative_tolerance_is_refused():
     with pytest.raises(ValueError, match='max_future must be >= 0'):
         _sync(max_future=-0.1)
+
+
+def test_positions_of_action_joints_that_are_not_state_joints_are_kept():
+    """The motion limits anchor the commanded joints, which may differ from the state."""
+    sync = _sync(action_joint_names=('joint_b', 'gripper'))
+    sync.add_joint_state(['joint_a', 'joint_b', 'gripper', 'other'], [0.1, 0.2, 0.04, 9.0],
+                         stamp=10.0, received=10.0)
+    sync.add_joint_state(['gripper'], [0.05], stamp=10.1, received=10.1)
+    positions, stamp = sync.latest_positions(['gripper', 'joint_b', 'wrist', 'other'])
+    np.testing.assert_allclose(positions[:2], [0.05, 0.2])
+    assert np.isnan(positions[2]) and np.isnan(positions[3])   # never sent / not kept
+    assert stamp == 10.1
+
+
+def test_a_future_joint_state_is_not_a_measured_position():
+    sync = _sync(action_joint_names=('gripper',))
+    sync.add_joint_state(['gripper'], [0.05], stamp=10.0, received=10.0)
+    sync.add_joint_state(['gripper'], [0.9], stamp=15.0, received=10.0)
+    assert sync.latest_positions(['gripper']) == (pytest.approx([0.05]), 10.0)
+    assert 'in the future' in sync.refused('/joint_states')
+
+
+def test_a_problem_is_timed_from_when_it_began_until_a_usable_message():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    bad = SimpleNamespace(height=2, width=3, encoding='yuv422', step=6, data=bytes(12))
+    for t in (10.1, 10.2, 10.3):
+        sync.add_image(CAMERAS[1], bad, stamp=t, received=t)
+        assert isinstance(sync.build(t, 0.5, 0.5), Skip)
+    stats = sync.stats(10.9)[CAMERAS[1]]
+    assert 'yuv422' in stats.problem and stats.problem_age == pytest.approx(0.8)
+    assert sync.stats(10.9)[CAMERAS[0]].problem_age is None
+    _fill(sync, stamp=11.0)
+    assert isinstance(sync.build(11.0, 0.5, 0.5), Observation)
+    assert sync.stats(11.0)[CAMERAS[1]].problem_age is None
+
+
+def test_refused_names_why_the_last_message_was_not_stored():
+    sync = _sync()
+    assert not sync.add_image(CAMERAS[0], _image(), stamp=0.0, received=10.0)
+    assert sync.refused(CAMERAS[0]) == 'newest frame refused: header stamp unset (0)'
+    assert sync.add_image(CAMERAS[0], _image(), stamp=10.0, received=10.0)
+    assert sync.refused(CAMERAS[0]) == ''
+    assert 'max_future_stamp 0.050 s' in sync.stamp_problem(20.0, 10.0)

@@ -31,6 +31,7 @@ PARAMETERS = {
     'max_image_age': 1.0,
     'max_state_age': 1.0,
     'model': 'tiny',
+    'allow_random_weights': True,
 }
 SERVICE_TIMEOUT = 60.0
 TRAJECTORY_TOPIC = '/molmobot_policy/joint_trajectory'

@@ -377,3 +377,162 @@ def test_stop_ends_and_joins_the_worker_thread():
     assert any(t.name == 'test_worker' for t in threading.enumerate())
     loop.stop()
     assert not any(t.name == 'test_worker' for t in threading.enumerate())
+
+
+# ------------------------------------------------------------------ safety (issue 17)
+def run_limited(chunks: int, measured, velocity: float, **kwargs):
+    """`run` with a MotionLimiter; the arm is measured at `measured` (A,) when the loop asks,
+    stamped 0.2 s before (recorded in robot.measured_stamps)."""
+    from molmobot_policy.timing import MotionLimiter
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    robot.measured_stamps = []
+
+    def measure():
+        robot.measured_stamps.append(clock.t - 0.2)
+        return np.asarray(measured, float), robot.measured_stamps[-1]
+    recorder = Recorder(event, chunks)
+    loop = make_loop(clock, event, robot, recorder,
+                     limiter=MotionLimiter(CONTROL_PERIOD, max_velocity=velocity),
+                     measured=measure, **kwargs)
+    loop.run()
+    return loop, robot, recorder
+
+
+def test_the_first_point_starts_at_the_measured_state_and_ramps_to_the_plan():
+    """The measured arm is 2 rad from the policy's plan (every action = seq = 1): the first
+    published point is within max_velocity * (its time - the measurement's header stamp) of
+    the measurement, each later point within max_velocity * control_period of the one before,
+    and once the ramp reaches the plan the points are the plan."""
+    velocity = 2.5                              # rad/s: 0.25 rad per control period
+    measured = np.array([-1.0, 3.0])            # 2 rad below / above the plan (1.0)
+    loop, robot, recorder = run_limited(1, measured, velocity)
+    sent, chunk = robot.sent[0]
+    step = velocity * CONTROL_PERIOD
+    first = chunk.positions[0]
+    allowance = velocity * max(chunk.times[0] - robot.measured_stamps[0], CONTROL_PERIOD)
+    assert allowance < 2.0                                  # the plan is out of reach
+    assert np.allclose(first, measured + [allowance, -allowance])   # limited, towards it
+    steps = np.abs(np.diff(chunk.positions, axis=0))
+    assert np.all(steps <= step + 1e-9)
+    assert np.allclose(chunk.positions[-3:], 1.0)           # reached, then the plan itself
+    report = recorder.reports[0]
+    assert report.start_offset == pytest.approx(2.0)
+    assert report.velocity_limited > 0
+    assert loop.stats.velocity_limited == report.velocity_limited
+
+
+def test_the_next_chunk_is_joined_to_the_published_points_not_the_unlimited_plan():
+    """The stitcher's previous chunk (what the next one is joined to) is the chunk as sent,
+    after the motion limits moved its points."""
+    stitcher = ChunkStitcher(CONTROL_PERIOD)
+    loop, robot, recorder = run_limited(1, [-1.0, -1.0], 1.0, stitcher=stitcher)
+    _, sent = robot.sent[0]
+    assert recorder.reports[0].velocity_limited > 0
+    np.testing.assert_array_equal(stitcher.previous.positions, sent.positions)
+
+
+def test_a_joint_without_a_measurement_is_not_anchored():
+    loop, robot, recorder = run_limited(1, [np.nan, 0.0], 1.0)
+    sent, chunk = robot.sent[0]
+    assert chunk.positions[0, 0] == 1.0                      # the plan, not anchored
+    reach = 1.0 * (chunk.times[0] - robot.measured_stamps[0])     # 1 rad/s from 0
+    assert reach < 1.0 and chunk.positions[0, 1] == pytest.approx(reach)
+    assert recorder.reports[0].start_offset == pytest.approx(1.0)
+
+
+def test_the_first_lead_is_the_engines_warm_inference_time_times_the_margin():
+    """Inference for the first tick starts inference_seconds * LATENCY_MARGIN before its
+    deadline (not a fixed fraction of the period)."""
+    from molmobot_policy.timing import latency_estimator
+    from molmobot_policy.timing.loop import LATENCY_MARGIN
+    started = []
+
+    def predict(robot):
+        def call(observation):
+            started.append(robot.clock.t)
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=1, robot_changes={'predict': predict},
+                                latency=latency_estimator(PERIOD, inference_seconds=0.08))
+    deadline = loop.scheduler.deadline(recorder.reports[0].tick)
+    assert deadline - started[0] == pytest.approx(0.08 * LATENCY_MARGIN, abs=1e-3)
+
+
+def test_without_a_measured_warm_up_the_first_lead_falls_back_to_half_a_period():
+    from molmobot_policy.timing import latency_estimator
+    assert latency_estimator(PERIOD, None).lead() == pytest.approx(0.5 * PERIOD)
+    with pytest.raises(ValueError, match='inference_seconds'):
+        latency_estimator(PERIOD, float('nan'))
+
+
+def test_slow_first_inferences_after_activation_do_not_hold_the_lead_at_its_cap():
+    """The first inference after activation takes 2.5 s longer (cold caches); the lead
+    follows the steady 50 ms, not the cap, once enough samples came."""
+    from molmobot_policy.timing.loop import LATENCY_MARGIN, SETTLE_SAMPLES
+    calls = itertools.count()
+
+    def timer_predict(robot):
+        def call(observation):
+            if next(calls) == 0:
+                robot.clock.t += 2.5         # also skips ticks: their start passed
+            robot.clock.t += 0.05
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=SETTLE_SAMPLES + 8,
+                                robot_changes={'predict': timer_predict})
+    assert loop.latency.estimate() == pytest.approx(0.05, abs=1e-3)
+    assert loop.latency.lead() == pytest.approx(0.05 * LATENCY_MARGIN, abs=1e-3)
+    assert loop.latency.ignored == SETTLE_SAMPLES
+
+
+def test_a_clock_jump_back_while_waiting_for_the_tick_restarts_at_once_and_reports_first():
+    """The jump is seen while waiting for the tick's start (not after waiting out the old
+    time base): `clock_jumped` comes before the restart's `started` and before the next
+    observation, whose stamp is then in the new time base."""
+    clock = FakeClock()
+    order, waits_at_jump = [], []
+
+    class Events(Recorder):
+        def clock_jumped(self, seconds):
+            order.append(('jumped', round(seconds)))
+            waits_at_jump.append(len(event.timeouts))
+
+        def started(self, now):
+            order.append(('started', now))
+
+    def jump_on_second_wait(k):
+        if k == 1:
+            clock.t -= 10.0
+    event = FakeEvent(clock, on_wait=jump_on_second_wait)
+    robot = Robot(clock)
+    observe = robot.observe
+    robot.observe = lambda now: (order.append(('observe', now)), observe(now))[1]
+    events = Events(event, chunks=1)
+    loop = make_loop(clock, event, robot, events)
+    loop.run()
+    kinds = [o[0] for o in order]
+    assert kinds[:4] == ['started', 'jumped', 'started', 'observe']
+    assert order[1] == ('jumped', 10)
+    assert order[2][1] < order[0][1]                 # restarted in the new time base
+    assert waits_at_jump == [2]         # seen after the slice it happened in
+
+
+def test_waiting_for_the_clock_is_reported_every_few_seconds():
+    from molmobot_policy.timing.loop import CLOCK_REPORT_S
+    clock = FakeClock(t=0.0)
+    waits = []
+
+    class Events(Recorder):
+        def waiting_for_clock(self, seconds):
+            waits.append(seconds)
+            if len(waits) == 3:
+                self.event.set()
+    event = FakeEvent(clock)
+    events = Events(event, chunks=1)
+    loop = make_loop(lambda: 0.0, event, Robot(clock), events, sim_time=lambda: True,
+                     timer=clock)
+    loop.run()
+    assert waits == pytest.approx([CLOCK_REPORT_S, 2 * CLOCK_REPORT_S, 3 * CLOCK_REPORT_S],
+                                  abs=2 * POLL_S)

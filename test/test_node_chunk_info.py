@@ -62,6 +62,7 @@ class _Graph:
                                  parameter_overrides=[Parameter(k, value=v) for k, v in dict(
                                      autostart=False, camera_topics=CAMERAS, joint_names=JOINTS,
                                      action_joint_names=JOINTS, instruction='pick',
+                                     allow_random_weights=True,
                                      joint_state_topic=JOINT_STATES,
                                      chunk_period=0.2, control_period=0.05,
                                      diagnostics_period=0.2, gc_freeze=False,
@@ -136,9 +137,10 @@ def test_chunk_info_with_debug_timing_has_the_delay_clues(graph):
 
 def test_diagnostics_name_every_input_the_inference_and_the_schedule(graph):
     g = graph('chunk_info_diagnostics')
-    assert g.wait_for(lambda: any(len(a.status) == len(CAMERAS) + 3 for a in g.diagnostics))
+    assert g.wait_for(lambda: any(len(a.status) == len(CAMERAS) + 4 for a in g.diagnostics))
     with g.lock:
         names = [s.name for s in g.diagnostics[-1].status]
     assert names == ([f'chunk_info_diagnostics: camera {t}' for t in CAMERAS]
                      + [f'chunk_info_diagnostics: joint state {JOINT_STATES}',
-                        'chunk_info_diagnostics: inference', 'chunk_info_diagnostics: schedule'])
+                        'chunk_info_diagnostics: inference', 'chunk_info_diagnostics: schedule',
+                        'chunk_info_diagnostics: output'])

@@ -115,7 +115,8 @@ class _Node:
     def publish(self, msg):
         self.published.append(msg)
 
-    def create_timer(self, period, callback):
+    def create_timer(self, period, callback, clock=None):
+        self.timer_clock = clock
         self.timers.append((period, callback))
         return 'timer'
 
@@ -158,3 +159,87 @@ def test_the_updater_publishes_every_task_as_one_array_on_its_timer():
     assert [kv.key for kv in round_trip.status[0].values] == ['x']
     updater.destroy()
     assert node.destroyed == ['timer', 'publisher']
+
+
+# ------------------------------------------------------------------ safety (issue 17)
+def test_an_input_problem_lasting_longer_than_its_max_age_is_an_error():
+    """An unsupported encoding refused at every tick: WARN at first, ERROR once it lasted
+    longer than max_image_age (nothing from that camera can be used)."""
+    problem = "newest frame refused: image on '/cam0': unsupported encoding 'yuv422'"
+    assert _run(_input(TopicStats(10.0, 0.1, 5, problem, problem_age=0.2)))[0] == WARN
+    level, message, _ = _run(_input(TopicStats(10.0, 0.1, 5, problem, problem_age=0.7)))
+    assert level == ERROR and "'yuv422'" in message and 'max_image_age' in message
+
+
+def test_inference_reports_what_is_served_and_the_lead_estimate():
+    from molmobot_policy.timing import latency_estimator
+    latency = latency_estimator(1.0, inference_seconds=0.2)
+    task = InferenceTask(_stats([]), lambda: {}, DEFAULTS.get,
+                         served='RANDOM WEIGHTS (preset tiny, seed 0)', latency=latency)
+    latency.restart()                         # as the loop does at each activation
+    values = _run(task)[2]
+    assert values['weights'] == 'RANDOM WEIGHTS (preset tiny, seed 0)'
+    assert values['lead_ms'] == '240.0' and values['latency_estimate_ms'] == 'nan'
+    for _ in range(2 + 5):                   # settle, then min_samples
+        latency.record(0.1)
+    values = _run(task)[2]
+    assert values['latency_estimate_ms'] == '100.0' and values['lead_ms'] == '120.0'
+    assert values['latency_samples_ignored'] == '2'
+
+
+def _output(stats=None, sim_time=False, now=10.0, wall=None, error_periods=3):
+    from molmobot_policy.ros.diagnostics import OutputTask
+    from molmobot_policy.timing import OutputWatchdog
+    watchdog = OutputWatchdog(0.5, error_periods)
+    clock = {'now': now, 'wall': 100.0 if wall is None else wall}
+    task = OutputTask(watchdog, stats or LoopStats(), lambda: clock['now'], lambda: sim_time,
+                      wall=lambda: clock['wall'])
+    return task, watchdog, clock
+
+
+def test_the_output_goes_warn_then_error_while_no_chunk_is_published_naming_the_reason():
+    task, watchdog, clock = _output()
+    assert task.getName() == 'output'
+    watchdog.start(10.0)
+    watchdog.published(10.0)
+    assert _run(task)[0] == OK
+    watchdog.skipped("joint state /joint_states has non-finite positions for joints ['j2']")
+    clock['now'] = 10.7
+    level, message, _ = _run(task)
+    assert level == WARN and "['j2']" in message
+    clock['now'] = 11.6
+    level, message, values = _run(task)
+    assert level == ERROR and "['j2']" in message and 'no commands' in message
+    assert values['since_last_chunk_s'] == '1.60'
+
+
+def test_the_output_names_a_missing_clock_under_sim_time():
+    task, watchdog, clock = _output(sim_time=True, now=0.0)
+    level, message, _ = _run(task)
+    assert level == WARN and 'waiting for /clock' in message
+    clock['wall'] += 1.6                           # > 3 periods of 0.5 s
+    level, message, _ = _run(task)
+    assert level == ERROR and 'waiting for /clock' in message
+
+
+def test_the_output_reports_the_motion_limits_counts():
+    stats = LoopStats()
+    stats.velocity_limited, stats.position_clipped = 12, 3
+    values = _run(_output(stats)[0])[2]
+    assert (values['velocity_limited'], values['position_clipped']) == ('12', '3')
+
+
+def test_the_updater_runs_on_the_steady_clock_and_stamps_system_time_before_clock():
+    """So /diagnostics comes while sim time waits for /clock (a ROS-time timer never fires)."""
+    from types import SimpleNamespace
+
+    from rclpy.clock import ClockType
+    from rclpy.time import Time
+    node = _Node()       # a node on sim time before the first /clock message: ROS time 0
+    node.get_clock = lambda: SimpleNamespace(now=lambda: Time(clock_type=ClockType.ROS_TIME))
+    updater = Updater(node, 0.5)
+    assert node.timer_clock.clock_type == ClockType.STEADY_TIME
+    updater.add(_Named('a', OK))
+    node.timers[0][1]()
+    stamp = node.published[0].header.stamp
+    assert stamp.sec > 1_600_000_000                     # system time, not 0

@@ -47,6 +47,7 @@ def _node(context, name, gc_freeze):
                           Parameter('joint_names', value=JOINTS),
                           Parameter('action_joint_names', value=JOINTS),
                           Parameter('model', value='tiny'),
+                          Parameter('allow_random_weights', value=True),
                           Parameter('gc_freeze', value=gc_freeze)])
 
 

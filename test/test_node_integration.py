@@ -40,6 +40,7 @@ PARAMETERS = {
     'max_image_age': 0.6,
     'max_state_age': 0.6,
     'model': 'tiny',
+    'allow_random_weights': True,
     'device': 'cpu',
     'diagnostics_period': 0.5,
 }

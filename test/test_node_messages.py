@@ -60,7 +60,8 @@ def test_chunk_info_without_debug_timing_has_no_delay_keys():
                            ChunkInfo.OBSERVATION_STAMP, ChunkInfo.OBSERVATION_AGE_MS,
                            ChunkInfo.INFERENCE_MS, ChunkInfo.PUBLISH_JITTER_MS,
                            ChunkInfo.POINTS, ChunkInfo.DROPPED, ChunkInfo.FRAMES_DECODED,
-                           ChunkInfo.FIRST_ACTION}
+                           ChunkInfo.FIRST_ACTION, ChunkInfo.VELOCITY_LIMITED,
+                           ChunkInfo.POSITION_CLIPPED, ChunkInfo.START_OFFSET}
     assert values[ChunkInfo.TICK] == '12' and values[ChunkInfo.POINTS] == '4'
     assert float(values[ChunkInfo.OBSERVATION_STAMP]) == 1234.3
     assert values[ChunkInfo.FRAMES_DECODED] == '8' and values[ChunkInfo.DROPPED] == '2'
@@ -72,3 +73,13 @@ def test_chunk_info_with_debug_timing_carries_the_delay_clues_in_ms():
                                          publish_call=0.00005)), 'policy', 8)
     values = {kv.key: kv.value for kv in info.values}
     assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050']
+
+
+def test_chunk_info_carries_the_motion_limits_counts():
+    report = ChunkReport(tick=1, observation_seq=2, observation_stamp=1.0,
+                         observation_age_ms=1.0, inference_ms=1.0, publish_jitter_ms=0.0,
+                         positions=_chunk().positions, dropped=0, count=1, velocity_limited=5,
+                         position_clipped=2, start_offset=1.98761)
+    values = {kv.key: kv.value for kv in chunk_info(report, 'policy', 8).values}
+    assert (values[ChunkInfo.VELOCITY_LIMITED], values[ChunkInfo.POSITION_CLIPPED],
+            values[ChunkInfo.START_OFFSET]) == ("5", "2", "1.9876")

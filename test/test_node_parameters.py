@@ -12,8 +12,7 @@ from rclpy.parameter import Parameter  # noqa: E402
 from molmobot_policy.model.checkpoint import load_config  # noqa: E402
 from molmobot_policy.ros.messages import format_action  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
-from molmobot_policy.ros.parameters import (PARAMETERS, ParameterError,  # noqa: E402
-                                            unmatched_parameter_files)
+from molmobot_policy.ros.parameters import PARAMETERS, ParameterError  # noqa: E402
 
 
 class _Refuse:
@@ -81,27 +80,13 @@ def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):
     assert 'not a valid float' in error.expected and 'decimal point' in error.expected
 
 
-def test_parameter_file_without_a_section_for_the_node_is_reported(tmp_path):
-    typo = tmp_path / 'typo.yaml'
-    typo.write_text('molmobot_polcy:\n  ros__parameters:\n    chunk_period: 0.5\n')
-    good = tmp_path / 'good.yaml'
-    good.write_text('/molmobot_policy:\n  ros__parameters:\n    chunk_period: 0.5\n')
-    wildcard = tmp_path / 'wildcard.yaml'
-    wildcard.write_text('/**:\n  ros__parameters:\n    use_sim_time: true\n')
-    argv = ['node', '--ros-args', '--params-file', str(typo), '--params-file', str(good),
-            '--params-file', str(wildcard)]
-    errors = unmatched_parameter_files(argv, 'molmobot_policy')
-    assert len(errors) == 1
-    assert str(typo) in errors[0] and "'molmobot_polcy'" in errors[0]
-    assert unmatched_parameter_files(argv[:2] + argv[4:], 'molmobot_policy') == []
-
-
 def _configure(context, name: str, **parameters) -> tuple[dict | None, list[str]]:
     """Configure a node (autostart off) with `parameters` and an engine factory that records
     its engine config and fails. Returns (that config or None, the error log lines)."""
     capture = _Capture()
     node = PolicyNode(engine_factory=capture, node_name=name, context=context,
-                      parameter_overrides=[Parameter('autostart', value=False)]
+                      parameter_overrides=[Parameter('autostart', value=False),
+                                           Parameter('allow_random_weights', value=True)]
                       + [Parameter(k, value=v) for k, v in parameters.items()])
     try:
         errors = []
@@ -266,3 +251,66 @@ def test_sigint_handling_is_installed_only_over_pythons_default():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ------------------------------------------------------------------ safety parameters
+def _values(**changes):
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    values.update(changes)
+    return values.get
+
+
+def test_motion_limits_take_one_value_for_all_joints_or_one_per_action_joint():
+    from molmobot_policy.ros.parameters import motion_limiter
+    assert motion_limiter(_values()).max_velocity.tolist() == [1.5] * 7      # the default
+    limiter = motion_limiter(_values(max_joint_velocity=[float(k + 1) for k in range(7)],
+                                     joint_position_min=[-1.0], joint_position_max=[1.0]))
+    assert limiter.max_velocity.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert limiter.position_min.tolist() == [-1.0] * 7
+    assert limiter.position_max.tolist() == [1.0] * 7
+    assert motion_limiter(_values(max_joint_velocity=0.8)).max_velocity.tolist() == [0.8] * 7
+
+
+def test_the_gripper_dimension_has_no_velocity_limit():
+    """Its binarized open/closed command is no joint position to ramp."""
+    from molmobot_policy.ros.parameters import motion_limiter
+    velocity = motion_limiter(_values(gripper_index=6)).max_velocity
+    assert velocity[:6].tolist() == [1.5] * 6 and velocity[6] == float('inf')
+
+
+@pytest.mark.parametrize('name, value, expected', [
+    ('max_joint_velocity', [1.0, 2.0], '1 or 7'),
+    ('max_joint_velocity', [], '1 or 7'),
+    ('joint_position_min', [0.1, 0.2], '0, 1 or 7'),
+    ('max_joint_velocity', ['fast'], 'not a number'),
+    ('camera_transports', ['raw', 'compressed'], "1 or 8 (one per camera topic) of ['raw', "
+                                                 "'compressed']"),
+    ('camera_transports', ['theora'], "of ['raw', 'compressed']")])
+def test_bad_safety_parameters_are_refused_naming_them(name, value, expected):
+    from molmobot_policy.ros.parameters import check_parameter_values
+    with pytest.raises(ParameterError) as info:
+        check_parameter_values(_values(**{name: value}))
+    assert info.value.name == name and expected in str(info.value)
+
+
+def test_a_non_positive_velocity_limit_fails_configure_naming_the_parameter(ros_context):
+    config, errors = _configure(ros_context, 'param_velocity_zero', max_joint_velocity=[0.0])
+    assert config is None
+    assert any('max_joint_velocity' in e and 'must be > 0' in e for e in errors), errors
+
+
+def test_compressed_cameras_are_subscribed_on_the_compressed_subtopic():
+    from molmobot_policy.ros.parameters import camera_subscriptions
+    topics = ['/a/image_raw', '/b/image_raw']
+    assert camera_subscriptions(_values(camera_topics=topics)) == [
+        ('/a/image_raw', False), ('/b/image_raw', False)]
+    assert camera_subscriptions(_values(camera_topics=topics,
+                                        camera_transports=['raw', 'compressed'])) == [
+        ('/a/image_raw', False), ('/b/image_raw/compressed', True)]
+
+
+def test_an_empty_yaml_list_means_no_position_limits():
+    """rcl hands `joint_position_min: []` from a parameter file to rclpy as no value (None)."""
+    from molmobot_policy.ros.parameters import motion_limiter
+    limiter = motion_limiter(_values(joint_position_min=None, joint_position_max=None))
+    assert limiter.position_min is None and limiter.position_max is None

@@ -71,3 +71,19 @@ def test_one_error_per_file_without_an_applicable_section(tmp_path):
     argv = ['--ros-args', '--params-file', str(good), '--params-file', str(bad)]
     errors = unmatched_parameter_files(argv, NAMESPACED)
     assert len(errors) == 1 and str(bad) in errors[0]
+
+
+def test_a_file_among_several_with_a_misspelled_section_is_the_one_reported(tmp_path):
+    """(Moved from test_node_parameters: the check of ros/parameters.py it tested is gone.)"""
+    typo = tmp_path / 'typo.yaml'
+    typo.write_text('molmobot_polcy:\n  ros__parameters:\n    chunk_period: 0.5\n')
+    good = tmp_path / 'good.yaml'
+    good.write_text('/molmobot_policy:\n  ros__parameters:\n    chunk_period: 0.5\n')
+    wildcard = tmp_path / 'wildcard.yaml'
+    wildcard.write_text('/**:\n  ros__parameters:\n    use_sim_time: true\n')
+    argv = ['node', '--ros-args', '--params-file', str(typo), '--params-file', str(good),
+            '--params-file', str(wildcard)]
+    errors = unmatched_parameter_files(argv, ROOT)
+    assert len(errors) == 1
+    assert str(typo) in errors[0] and "'molmobot_polcy'" in errors[0]
+    assert unmatched_parameter_files(argv[:2] + argv[4:], ROOT) == []

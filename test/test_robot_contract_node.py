@@ -91,7 +91,8 @@ def make_node(context):
     nodes = []
 
     def make(parameters: dict, build_engine: bool = True) -> ConfiguredNode:
-        nodes.append(ConfiguredNode(context, {'autostart': False, **parameters}, build_engine))
+        nodes.append(ConfiguredNode(context, {'autostart': False, 'allow_random_weights': True,
+                                              **parameters}, build_engine))
         return nodes[-1]
 
     yield make

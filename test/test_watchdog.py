@@ -56,3 +56,29 @@ def test_not_active_expects_no_output():
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         OutputWatchdog(**kwargs)
+
+
+def test_waiting_for_the_first_clock_message_warns_at_once_then_errors():
+    """Sim time reads 0 before /clock: no period passes on it, so the wall clock counts."""
+    watch = OutputWatchdog(period=0.5, error_periods=3)
+    state = watch.check_clock(0.0, wall=100.0)
+    assert state.level == WARN and 'waiting for /clock' in state.message
+    assert watch.check_clock(0.0, wall=101.0).level == WARN
+    state = watch.check_clock(0.0, wall=101.6)
+    assert state.level == ERROR and 'use_sim_time' in state.message
+
+
+def test_a_clock_that_advances_leaves_the_state_to_check():
+    watch = OutputWatchdog(period=0.5)
+    assert watch.check_clock(10.0, wall=100.0) is None
+    assert watch.check_clock(10.9, wall=101.0) is None
+
+
+def test_a_clock_that_stops_goes_warn_then_error_on_the_wall_clock():
+    watch = OutputWatchdog(period=0.5, error_periods=3)
+    assert watch.check_clock(10.0, wall=100.0) is None
+    assert watch.check_clock(10.0, wall=100.4) is None          # within one period
+    state = watch.check_clock(10.0, wall=100.7)
+    assert state.level == WARN and 'ROS time stopped at 10.000 s' in state.message
+    assert watch.check_clock(10.0, wall=101.6).level == ERROR
+    assert watch.check_clock(10.1, wall=101.7) is None           # /clock is back

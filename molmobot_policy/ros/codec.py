@@ -109,3 +109,11 @@ def compressed_to_rgb(msg, topic: str = '') -> np.ndarray:
     if after.strip().lower().startswith('rgb'):     # pixels were compressed in RGB order
         return np.ascontiguousarray(pixels)
     return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)
+
+
+def decode_image(msg, topic: str = '') -> np.ndarray:
+    """A sensor_msgs/Image (`image_to_rgb`) or sensor_msgs/CompressedImage (`compressed_to_rgb`,
+    told apart by its `format` field) -> uint8 (H, W, 3) RGB. Raises ValueError as those do."""
+    if hasattr(msg, 'format'):
+        return compressed_to_rgb(msg, topic)
+    return image_to_rgb(msg, topic)

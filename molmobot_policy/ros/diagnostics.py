@@ -6,33 +6,46 @@ full ROS install: a `DiagnosticTask` has a name (`getName()`) and `run(stat)`, w
 `DiagnosticStatusWrapper` (`summary(level, message)`, `add(key, value)`) and returns it; an
 `Updater` collects tasks (`add(task)`), names each status '<node name>: <task name>' with the
 hardware id (`setHardwareID`) and publishes all of them as one `diagnostic_msgs/
-DiagnosticArray` on /diagnostics every `period` seconds (`update()`).
+DiagnosticArray` on /diagnostics every `period` seconds (`update()`). Its timer runs on the
+steady clock, not on ROS time, so that /diagnostics also comes while sim time waits for
+/clock (the array is then stamped with the system time).
 
 The node's rules, one task each (thresholds are node parameters, read at every update):
 - `InputTask`, per camera topic and for the joint state: ERROR without a message (or
-  without a usable one), WARN for a refused newest message, a stale one (age > the
-  max_*_age parameter) or a rate below diag_min_camera_rate, else OK.
+  without a usable one) and for a problem (refused stamp, undecodable frame, non-finite
+  joints) lasting longer than the max_*_age parameter, WARN for a newer problem, a stale
+  message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
 - `InferenceTask`: WARN / ERROR when the inference p99 exceeds diag_inference_warn_ms /
-  diag_inference_error_ms; carries the engine's mode.
+  diag_inference_error_ms; carries what is served (checkpoint and weights fingerprint, or
+  RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 exceeds diag_jitter_warn_ms /
   diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
   loop's counters, sensor-to-publish age and garbage-collector pauses.
+- `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
+  they flow, WARN after one chunk period without one, ERROR after output_error_periods,
+  naming the last skip reason or the clock (sim time without /clock); the motion limits'
+  counts.
 """
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.clock import Clock, ClockType
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
 
-def policy_updater(node, sync, stats, gc_pauses, parameter: Callable[[str], object],
-                   now: Callable[[], float], mode: Callable[[], dict]) -> Updater:
+def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[str], object],
+                   now: Callable[[], float], mode: Callable[[], dict], served: str,
+                   sim_time: Callable[[], bool]) -> Updater:
     """The node's Updater (period: the diagnostics_period parameter) with its tasks: one
     `InputTask` per camera of `sync` (an ObservationSynchronizer) and for its joint state,
-    `InferenceTask` and `ScheduleTask` over `stats` (a timing.LoopStats); `now()` -> s."""
+    `InferenceTask`, `ScheduleTask` and `OutputTask` over `loop` (a timing.PolicyLoop: its
+    stats and latency) and `watchdog` (a timing.OutputWatchdog); `now()` -> ROS time, s;
+    `served`: what the engine serves; `sim_time()` -> True while ROS time follows /clock."""
     updater = Updater(node, parameter('diagnostics_period'))
     updater.setHardwareID(node.get_name())
     inputs = [('camera', t, 'max_image_age') for t in sync.camera_topics]
@@ -40,8 +53,9 @@ def policy_updater(node, sync, stats, gc_pauses, parameter: Callable[[str], obje
                                             'max_state_age')]:
         updater.add(InputTask(label, topic, lambda topic=topic: sync.stats(now())[topic],
                               max_age, parameter))
-    updater.add(InferenceTask(stats.inference_ms, mode, parameter))
-    updater.add(ScheduleTask(stats, gc_pauses, lambda: sync.frames_decoded, parameter))
+    updater.add(InferenceTask(loop.stats.inference_ms, mode, parameter, served, loop.latency))
+    updater.add(ScheduleTask(loop.stats, gc_pauses, lambda: sync.frames_decoded, parameter))
+    updater.add(OutputTask(watchdog, loop.stats, now, sim_time))
     return updater
 
 
@@ -83,7 +97,8 @@ class Updater:
         self._tasks: list[DiagnosticTask] = []
         self._hardware_id = ''
         self._publisher = node.create_publisher(DiagnosticArray, '/diagnostics', 10)
-        self._timer = node.create_timer(period, self.update)
+        self._timer = node.create_timer(period, self.update,
+                                        clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     def setHardwareID(self, hardware_id: str) -> None:     # noqa: N802
         self._hardware_id = hardware_id
@@ -101,7 +116,10 @@ class Updater:
             stat.name = f'{self._node.get_name()}: {task.getName()}'
             statuses.append(stat)
         array = DiagnosticArray(status=statuses)
-        array.header.stamp = self._node.get_clock().now().to_msg()
+        stamp = self._node.get_clock().now()
+        if stamp.nanoseconds == 0:      # sim time before /clock
+            stamp = Clock(clock_type=ClockType.SYSTEM_TIME).now()
+        array.header.stamp = stamp.to_msg()
         self._publisher.publish(array)
 
     def destroy(self) -> None:
@@ -136,6 +154,9 @@ class InputTask(DiagnosticTask):
             'diag_min_camera_rate')
         if stats.count == 0:
             stat.summary(ERROR, 'no message received')
+        elif stats.problem and stats.problem_age is not None and stats.problem_age > max_age:
+            stat.summary(ERROR, f'{stats.problem} (for {stats.problem_age:.1f} s > '
+                                f'{self._max_age} {max_age:.3f} s)')
         elif stats.problem:
             stat.summary(WARN, stats.problem)
         elif stats.age is None:
@@ -158,12 +179,15 @@ def _level(value: float, warn: float, error: float):
 
 
 class InferenceTask(DiagnosticTask):
-    """Inference time: `inference_ms` a RollingStats (ms); `mode()` -> the engine's mode."""
+    """Inference time: `inference_ms` a RollingStats (ms); `mode()` -> the engine's mode;
+    `served`: what the engine serves (`ros.serving.served_weights`); `latency`: the
+    timing.LatencyEstimator setting the lead, or None."""
 
     def __init__(self, inference_ms, mode: Callable[[], dict],
-                 parameter: Callable[[str], object]) -> None:
+                 parameter: Callable[[str], object], served: str = '', latency=None) -> None:
         super().__init__('inference')
         self._inference_ms, self._mode, self._parameter = inference_ms, mode, parameter
+        self._served, self._latency = served, latency
 
     def run(self, stat):
         summary = self._inference_ms.summary()
@@ -173,6 +197,14 @@ class InferenceTask(DiagnosticTask):
         stat.summary(level, {OK: 'ok', WARN: f'inference p99 {p99:.0f} ms slow',
                              ERROR: f'inference p99 {p99:.0f} ms too slow'}[level])
         add_summary_ms(stat, 'inference', summary)
+        stat.add('weights', self._served)
+        if self._latency is not None:
+            estimate = self._latency.estimate()
+            stat.add('lead_ms', f'{self._latency.lead() * 1e3:.1f}')
+            stat.add('latency_estimate_ms', 'nan' if math.isnan(estimate)
+                     else f'{estimate * 1e3:.1f}')
+            stat.add('latency_samples', self._latency.count)
+            stat.add('latency_samples_ignored', self._latency.ignored)
         for key, value in self._mode().items():
             stat.add(f'engine_{key}', value)
         return stat
@@ -210,4 +242,32 @@ class ScheduleTask(DiagnosticTask):
         add_summary_ms(stat, 'gc_pause', self._gc.pauses_ms.summary())
         stat.add('gc_pause_max_since_activate_ms', f'{self._gc.max_ms:.3f}')
         stat.add('gc_collections', '/'.join(map(str, self._gc.collections)))
+        return stat
+
+
+class OutputTask(DiagnosticTask):
+    """Whether chunks reach the robot: `watchdog` a timing.OutputWatchdog fed by the loop's
+    events, `stats` its timing.LoopStats (the motion limits' counts), `now()` -> ROS time
+    (s), `sim_time()` -> True while ROS time follows /clock (then a clock standing still is
+    measured on the steady clock, `OutputWatchdog.check_clock`)."""
+
+    LEVELS = {'OK': OK, 'WARN': WARN, 'ERROR': ERROR}
+
+    def __init__(self, watchdog, stats, now: Callable[[], float],
+                 sim_time: Callable[[], bool], wall: Callable[[], float] = time.monotonic
+                 ) -> None:
+        super().__init__('output')
+        self._watchdog, self._stats, self._now = watchdog, stats, now
+        self._sim_time, self._wall = sim_time, wall
+
+    def run(self, stat):
+        now = self._now()
+        state = self._watchdog.check_clock(now, self._wall()) if self._sim_time() else None
+        state = state or self._watchdog.check(now)
+        stat.summary(self.LEVELS[state.level], state.message)
+        stat.add('since_last_chunk_s', 'nan' if state.since_last is None
+                 else f'{state.since_last:.2f}')
+        stat.add('chunks_published', self._stats.chunks_published)
+        stat.add('velocity_limited', self._stats.velocity_limited)
+        stat.add('position_clipped', self._stats.position_clipped)
         return stat

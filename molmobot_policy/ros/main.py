@@ -33,7 +33,6 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
-from molmobot_policy.ros.parameters import unmatched_parameter_files
 
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
                             # GIL-holding callback thread delays the worker's wake-up
@@ -166,13 +165,13 @@ def main(args=None) -> int:
         print_log(NODE_NAME, 'FATAL', f'ROS 2 could not start: {error}'.rstrip())
         return EXIT_FAILURE
     try:
-        try:
-            node = PolicyNode()
+        try:    # the node checks the argument's parameter files at configure
+            node = PolicyNode(argv=list(sys.argv if args is None else args))
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE
         with package_logs_to(node):
-            return _serve(node, list(sys.argv if args is None else args), sigint)
+            return _serve(node, sigint)
     except KeyboardInterrupt:       # a second Ctrl-C while the node shuts down
         return EXIT_INTERRUPTED
     finally:
@@ -180,15 +179,10 @@ def main(args=None) -> int:
         sigint.uninstall()
 
 
-def _serve(node: PolicyNode, argv: list[str], sigint: GracefulSigint) -> int:
-    """Checks the parameter files, autostarts, spins; destroys the node in every case."""
+def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
+    """Autostarts, spins; destroys the node in every case."""
     starting = False        # inside autostart's configure + activate
     try:
-        file_errors = unmatched_parameter_files(argv, node.get_name())
-        for error in file_errors:
-            node.get_logger().fatal(error)
-        if file_errors:
-            return EXIT_FAILURE
         # One thread for every callback: they only store messages (the worker thread runs
         # inference). rclpy's MultiThreadedExecutor under 240 camera frames/s creates task
         # and future objects per callback (a garbage collection every few ms) and holds the

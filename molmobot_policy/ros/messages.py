@@ -31,6 +31,10 @@ class ChunkInfo:
     DROPPED = 'dropped'                     # actions in the past at publish time
     FRAMES_DECODED = 'frames_decoded'       # camera frames decoded for this chunk
     FIRST_ACTION = 'first_action'           # `format_action` of the first point
+    VELOCITY_LIMITED = 'velocity_limited'   # (point, joint) values moved by max_joint_velocity
+    POSITION_CLIPPED = 'position_clipped'   # ... by joint_position_min / _max
+    START_OFFSET = 'start_offset'           # max |planned first point - measured|, robot
+                                            # units ('nan': no joint anchored)
     # with debug_timing only ('' where not measured): where a late publish's time went
     WAKE_LATE_MS = 'wake_late_ms'           # the last timed wait before the deadline, late by
     RUNQUEUE_WAIT_MS = 'runqueue_wait_ms'   # runnable without a CPU (Linux schedstat)
@@ -105,7 +109,10 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int) -> Diagnosti
         ChunkInfo.PUBLISH_JITTER_MS: f'{report.publish_jitter_ms:.3f}',
         ChunkInfo.POINTS: len(report.positions), ChunkInfo.DROPPED: report.dropped,
         ChunkInfo.FRAMES_DECODED: frames_decoded,
-        ChunkInfo.FIRST_ACTION: format_action(report.positions[0])}
+        ChunkInfo.FIRST_ACTION: format_action(report.positions[0]),
+        ChunkInfo.VELOCITY_LIMITED: report.velocity_limited,
+        ChunkInfo.POSITION_CLIPPED: report.position_clipped,
+        ChunkInfo.START_OFFSET: f'{report.start_offset:.4f}'}
     if report.delay is not None:
         values.update({ChunkInfo.WAKE_LATE_MS: _ms(report.delay.wake_late),
                        ChunkInfo.RUNQUEUE_WAIT_MS: _ms(report.delay.runqueue_wait),

@@ -1,13 +1,18 @@
 """PolicyNode: eight cameras + joint state in, MolmoBot action chunks out on a fixed schedule.
 
 A lifecycle node (rclpy.lifecycle) that wires plain pieces together:
-- configure checks the parameters (`ros.parameters`) and the robot contract against the
-  model's config (before any weights load), then builds and warms up the engine;
-- activate creates the subscriptions (their callbacks only store the newest message in an
-  `ObservationSynchronizer`), the publishers, the diagnostics (`ros.diagnostics`) and the
-  worker, a `timing.PolicyLoop` on the node's ROS clock (sim time aware): it ticks on
-  absolute deadlines, runs `engine.predict` on the newest observation, builds the
-  `trajectory_msgs/JointTrajectory` (`ros.messages`) and publishes it at the deadline;
+- configure checks the parameter files (`ros.param_files`: a file with no section for this
+  node's fully qualified name is an error), the parameters (`ros.parameters`), the robot
+  contract against the model's config and what is served (`ros.serving`: random weights only
+  with allow_random_weights), all before any weights load; then it builds and warms up the
+  engine and logs what it serves;
+- activate creates the subscriptions (raw or compressed cameras; their callbacks only store
+  the newest message in an `ObservationSynchronizer`, which refuses future or unset stamps),
+  the publishers, the diagnostics (`ros.diagnostics`) and the worker, a `timing.PolicyLoop`
+  on the node's ROS clock (sim time aware): it ticks on absolute deadlines, runs
+  `engine.predict` on the newest observation, stitches the chunk, limits it against the
+  measured joint state (`timing.MotionLimiter`), builds the `trajectory_msgs/JointTrajectory`
+  (`ros.messages`) and publishes it at the deadline; its events go to `ros.report`;
 - deactivate stops them; cleanup releases the engine.
 
 Process entry, exit status and signals: `ros.main` (which `python -m
@@ -16,65 +21,34 @@ molmobot_policy.ros.node` runs).
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 from diagnostic_msgs.msg import DiagnosticStatus
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import Image, JointState
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.diagnostics import Updater, policy_updater
+from molmobot_policy.ros.param_files import unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
-                                            bucket_lengths, check_parameter_values,
-                                            check_unknown_parameters, chunk_stitcher,
-                                            declare_parameters)
+                                            bucket_lengths, camera_subscriptions,
+                                            check_parameter_values, check_unknown_parameters,
+                                            chunk_stitcher, declare_parameters, motion_limiter)
+from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
+from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
+                                         default_engine_factory, read_model_config,
+                                         served_weights)
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
-from molmobot_policy.timing import GcPauses, LoopEvents, PolicyLoop, freeze_heap, unfreeze_heap
-from molmobot_policy.timing.loop import STATS_WINDOW
+from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, freeze_heap,
+                                    latency_estimator, unfreeze_heap)
+from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
-WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
-
-
-def _default_engine_factory(config: dict):
-    """`PolicyEngine` of the EngineConfig fields in `config` and its 'contract'."""
-    from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
-    options = dict(config)
-    contract = options.pop('contract')
-    return PolicyEngine(EngineConfig(**options), contract=contract)
-
-
-def read_model_config(engine_config: dict):
-    """The engine's model config without building the engine: the checkpoint's config.yaml
-    (weights not read) or the preset. Raises FileNotFoundError / ValueError."""
-    from molmobot_policy.model.checkpoint import load_config
-    from molmobot_policy.model.config import MolmoBotConfig
-    if engine_config['checkpoint_path']:
-        return load_config(engine_config['checkpoint_path'],
-                           norm_stats_key=engine_config['norm_stats_key'] or None)
-    if engine_config['norm_stats_key']:
-        raise ValueError(f"norm_stats_key={engine_config['norm_stats_key']!r} needs a "
-                         'checkpoint_path (presets carry one set of stats)')
-    return MolmoBotConfig.from_name(engine_config['model'])
-
-
-def check_robot_contract(model, camera_topics, joint_names, action_joint_names,
-                         gripper_index: int = -1, gripper_threshold: float = 0.0,
-                         gripper_open: float = 0.0, gripper_closed: float = 1.0):
-    """The robot's parameters as a `preprocess.transforms.RobotContract` (camera k -> image k,
-    joints -> the state, action dim k -> action joint k, the gripper), checked against the
-    model (`MolmoBotConfig`). Raises ValueError naming the parameter (`RobotContract.check`)."""
-    from molmobot_policy.preprocess.transforms import RobotContract
-    contract = RobotContract(camera_names=tuple(camera_topics), joint_names=tuple(joint_names),
-                             action_joint_names=tuple(action_joint_names),
-                             gripper_index=gripper_index, gripper_threshold=gripper_threshold,
-                             gripper_open=gripper_open, gripper_closed=gripper_closed)
-    contract.check(model)
-    return contract
 
 
 class PolicyNode(LifecycleNode):
@@ -84,18 +58,27 @@ class PolicyNode(LifecycleNode):
         engine_factory: callable(dict of EngineConfig fields and 'contract', the
             `RobotContract` of the parameters) -> engine with `warmup()`,
             `predict(Observation) -> ActionChunk`, `check_instruction(str)` (raises
-            ValueError for an instruction it cannot serve), `model_config`, `mode`, `close()`.
-            Default: `runtime.engine.PolicyEngine(EngineConfig(**fields), contract=contract)`.
-        **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides).
+            ValueError for an instruction it cannot serve), `model_config`, `mode`, `close()`,
+            optionally `inference_seconds` (s of one warm query measured by `warmup`, or
+            None: the loop's first lead). Default: `ros.serving.default_engine_factory`.
+        argv: the process's command line (ROS arguments); each `--params-file` in it (and in
+            kwargs' cli_args) must have a section for this node, checked at configure.
+        **kwargs: passed to rclpy LifecycleNode (e.g. parameter_overrides, namespace).
     Raises:
         ros.parameters.ParameterError: a parameter value of the wrong type or out of range.
     """
 
-    def __init__(self, engine_factory=None, node_name: str = NODE_NAME, **kwargs) -> None:
+    def __init__(self, engine_factory=None, node_name: str = NODE_NAME, argv=None,
+                 **kwargs) -> None:
         super().__init__(node_name, **kwargs)
-        self._engine_factory = engine_factory or _default_engine_factory
+        self._engine_factory = engine_factory or default_engine_factory
+        self._argv = list(argv or []) + list(kwargs.get('cli_args') or [])
         self.engine = None
-        self.contract = None       # the RobotContract built at configure
+        self.contract = None            # the RobotContract built at configure
+        self.served = ''                # what the engine serves (ros.serving.served_weights)
+        self._latency = None            # the lead estimate, kept over activations
+        self._watchdog: OutputWatchdog | None = None
+        self._unanchored: set[str] = set()      # action joints reported never measured
         self.loop: PolicyLoop | None = None    # the worker, built at activate
         self.gc_pauses = GcPauses(STATS_WINDOW)
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
@@ -139,24 +122,30 @@ class PolicyNode(LifecycleNode):
             engine_config['fused_action_expert'])
         started = time.monotonic()
         try:
+            file_errors = unmatched_parameter_files(self._argv, self.get_fully_qualified_name())
+            if file_errors:
+                raise ValueError('; '.join(file_errors))
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
+            motion_limiter(self._param)     # ... on bad motion limits
             # before the (possibly long) weight load: the checkpoint's config.yaml only
             contract = check_robot_contract(
                 read_model_config(engine_config), cameras, list(self._param('joint_names')),
                 list(self._param('action_joint_names')),
                 **{name: self._param(name) for name in CONTRACT_PARAMETERS})
-            self.get_logger().info(f"configuring: building engine (model "
-                                   f"{engine_config['checkpoint_path'] or engine_config['model']!r}"
-                                   f", device {engine_config['device']!r}, {len(cameras)} "
+            self.served = served_weights(engine_config, self._param('allow_random_weights'))
+            self.get_logger().info(f"configuring: building engine (serving {self.served}, "
+                                   f"device {engine_config['device']!r}, {len(cameras)} "
                                    'cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
             self.contract = contract
             self._check_not_shut_down()
             self.get_logger().info('configuring: warming up the engine')
             self.engine.warmup(progress=self._warmup_progress)
+            self._latency = latency_estimator(self._param('chunk_period'),
+                                              getattr(self.engine, 'inference_seconds', None))
         except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
             # a KeyError's str() is its message in quotes
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
@@ -168,12 +157,21 @@ class PolicyNode(LifecycleNode):
             self.get_logger().info(f'froze {freeze_heap()} start-up objects out of the '
                                    'garbage collector (gc_freeze)')
         self.get_logger().info(f'configured in {time.monotonic() - started:.1f} s; engine mode '
-                               f'{dict(self.engine.mode)}')
+                               f'{dict(self.engine.mode)}; first lead '
+                               f'{self._latency.lead() * 1e3:.0f} ms')
+        self._log_served()
         if not self._param('instruction').strip():
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
                                       'run time)')
         return TransitionCallbackReturn.SUCCESS
+
+    def _log_served(self) -> None:
+        if self.served.startswith('RANDOM'):
+            self.get_logger().warning(f'serving {self.served}: allow_random_weights is true; '
+                                      'the actions are noise, not a trained policy')
+        else:
+            self.get_logger().info(f'serving {self.served}')
 
     def _check_not_shut_down(self) -> None:
         """Raises KeyboardInterrupt once rclpy's signal handler shut the context down (SIGINT,
@@ -188,17 +186,20 @@ class PolicyNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         joint_state_topic = self._param('joint_state_topic')
-        self._sync = ObservationSynchronizer(self._param('camera_topics'),
-                                             self._param('joint_names'),
-                                             joint_state_topic=joint_state_topic)
+        cameras = camera_subscriptions(self._param)
+        self._sync = ObservationSynchronizer(
+            [topic for topic, _ in cameras], self._param('joint_names'),
+            joint_state_topic=joint_state_topic, max_future=self._param('max_future_stamp'),
+            action_joint_names=self._param('action_joint_names'))
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
         else:
             camera_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                                     history=HistoryPolicy.KEEP_LAST)
-        for topic in self._sync.camera_topics:
+        for topic, compressed in cameras:
             self._input_subscriptions.append(self.create_subscription(
-                Image, topic, functools.partial(self._on_image, topic), camera_qos))
+                CompressedImage if compressed else Image, topic,
+                functools.partial(self._on_image, topic), camera_qos))
         # best effort subscriptions also match reliable publishers
         self._input_subscriptions.append(self.create_subscription(
             JointState, joint_state_topic, self._on_joint_state, qos_profile_sensor_data))
@@ -207,26 +208,32 @@ class PolicyNode(LifecycleNode):
         if self._param('publish_float_array'):
             self._array_pub = self.create_publisher(Float32MultiArray, '~/actions', 10)
         self._chunk_info_pub = self.create_publisher(DiagnosticStatus, '~/chunk_info', 10)
+        self._watchdog = OutputWatchdog(self._param('chunk_period'),
+                                        self._param('output_error_periods'))
+        sim_time = lambda: self.get_clock().ros_time_is_active     # noqa: E731
         self.loop = PolicyLoop(
             clock=self._now, observe=self._observe, predict=self.engine.predict,
             publish=self._prepare_publish, stitcher=chunk_stitcher(self._param),
             chunk_period=self._param('chunk_period'),
-            joints=len(self._param('action_joint_names')), events=_LoopReport(self),
-            sim_time=lambda: self.get_clock().ros_time_is_active,
-            debug_timing=self._param('debug_timing'))
+            joints=len(self._param('action_joint_names')),
+            events=LoopReport(self, self._chunk_info_pub, self._sync, self._watchdog, self._now),
+            sim_time=sim_time, debug_timing=self._param('debug_timing'),
+            limiter=motion_limiter(self._param), measured=self._measured, latency=self._latency)
         self.gc_pauses = GcPauses(STATS_WINDOW).install()
         self._diagnostics = policy_updater(
-            self, self._sync, self.loop.stats, self.gc_pauses, self._param, self._now,
-            mode=lambda: dict(self.engine.mode) if self.engine is not None else {})
+            self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
+            mode=lambda: dict(self.engine.mode) if self.engine is not None else {},
+            served=self.served, sim_time=sim_time)
         self.loop.start()
         self.get_logger().info(
-            f"active: {len(self._sync.camera_topics)} cameras, chunk every "
+            f"active: {len(cameras)} cameras ({', '.join(t for t, _ in cameras)}), chunk every "
             f"{self._param('chunk_period')} s, actions every {self._param('control_period')} s, "
-            f"publishing on {self._trajectory_pub.topic_name}")
+            f"publishing on {self._trajectory_pub.topic_name}; serving {self.served}")
         return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_loop()
+        self._watchdog.stop()
         self.gc_pauses.remove()
         for subscription in self._input_subscriptions:
             self.destroy_subscription(subscription)
@@ -277,15 +284,26 @@ class PolicyNode(LifecycleNode):
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def _on_image(self, topic: str, msg: Image) -> None:
-        self._sync.add_image(topic, msg, messages.stamp_seconds(msg.header.stamp), self._now())
+    def _on_image(self, topic: str, msg) -> None:
+        if not self._sync.add_image(topic, msg, messages.stamp_seconds(msg.header.stamp),
+                                    self._now()):
+            refused = self._sync.refused(topic)     # '' for a frame older than the stored
+            if refused:
+                self.get_logger().warning(f'camera {topic}: {refused}',
+                                          throttle_duration_sec=WARN_THROTTLE_S)
 
     def _on_joint_state(self, msg: JointState) -> None:
+        topic = self._sync.joint_state_topic
         try:
             self._sync.add_joint_state(msg.name, msg.position,
                                        messages.stamp_seconds(msg.header.stamp), self._now())
         except ValueError as error:
             self.get_logger().warning(f'ignoring joint state: {error}',
+                                      throttle_duration_sec=WARN_THROTTLE_S)
+            return
+        refused = self._sync.refused(topic)
+        if refused:
+            self.get_logger().warning(f'joint state {topic}: {refused}',
                                       throttle_duration_sec=WARN_THROTTLE_S)
 
     # ------------------------------------------------------------ the loop's injections
@@ -296,6 +314,24 @@ class PolicyNode(LifecycleNode):
                     'at run time)')
         return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
                                 instruction=instruction)
+
+    def _measured(self):
+        """(positions, stamp) of the action joints for the loop's MotionLimiter: the newest
+        /joint_states position per joint (nan: never received; the gripper dimension's
+        binarized command is no joint position); logs each never-measured joint once."""
+        names = list(self._param('action_joint_names'))
+        positions, stamp = self._sync.latest_positions(names)
+        gripper = self._param('gripper_index')
+        unseen = [n for k, n in enumerate(names) if math.isnan(positions[k]) and k != gripper]
+        if set(unseen) - self._unanchored:
+            self._unanchored.update(unseen)
+            self.get_logger().warning(
+                f'action joints {unseen} have no position on {self._sync.joint_state_topic}: '
+                'their points are not anchored to a measured state (max_joint_velocity and the '
+                'position limits still hold between points)')
+        if 0 <= gripper < len(names):
+            positions[gripper] = math.nan
+        return positions, stamp
 
     def _prepare_publish(self, chunk):
         """The chunk's messages, built now; returns the call that publishes them."""
@@ -308,37 +344,6 @@ class PolicyNode(LifecycleNode):
             if array is not None:
                 self._array_pub.publish(array)
         return send
-
-
-class _LoopReport(LoopEvents):
-    """The worker's events as the node's log lines and ~/chunk_info messages."""
-
-    def __init__(self, node: PolicyNode) -> None:
-        self._node = node
-        self._publisher = node._chunk_info_pub
-
-    def skipped(self, tick: int, reason: str) -> None:
-        self._node.get_logger().warning(f'skipping tick {tick}: {reason}',
-                                        throttle_duration_sec=WARN_THROTTLE_S)
-
-    def failed(self, tick: int, error: Exception) -> None:
-        self._node.get_logger().error(f'tick {tick} failed: {error!r}',
-                                      throttle_duration_sec=WARN_THROTTLE_S)
-
-    def clock_jumped(self, seconds: float) -> None:
-        self._node.get_logger().warning(f'ROS time jumped back by {seconds:.3f} s; restarting '
-                                        'the schedule')
-
-    def published(self, report) -> None:
-        node = self._node
-        node.chunks_published_total += 1
-        self._publisher.publish(messages.chunk_info(report, node.get_name(),
-                                                    node._sync.last_build_decoded))
-        node.get_logger().info(
-            f'chunk {report.count}: observation age {report.observation_age_ms:.0f} ms, '
-            f'inference {report.inference_ms:.0f} ms, {len(report.positions)} points '
-            f'({report.dropped} dropped), first action '
-            f'{messages.format_action(report.positions[0])}')
 
 
 if __name__ == '__main__':

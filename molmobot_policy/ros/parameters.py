@@ -5,8 +5,8 @@ turn what rclpy refuses, and what it would silently ignore, into one clear error
 description, type, range or allowed values that `ros2 param describe` shows. A value rclpy
 refuses at declaration (wrong type, out of range) becomes a `ParameterError` naming the
 parameter, the value given and what is expected; a parameter given but not declared (a
-misspelled name) and a parameter file without a section for the node are errors too, since
-either would otherwise leave the node running on its defaults.
+misspelled name) is an error too, since it would otherwise leave the node running on its
+defaults (a parameter file without a section for the node: `ros.param_files`).
 """
 from __future__ import annotations
 
@@ -18,11 +18,15 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
                                 ParameterType)
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 
-from molmobot_policy.timing import ChunkStitcher
+from molmobot_policy.timing import ChunkStitcher, MotionLimiter
 
 DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
 DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
 CAMERA_QOS = ('sensor_data', 'reliable')
+CAMERA_TRANSPORTS = ('raw', 'compressed')
+DEFAULT_MAX_JOINT_VELOCITY = 1.5    # rad/s: below common arm limits (Franka 2.2-2.6, UR
+                                    # 3.1 rad/s); above what the demo's Jaco moves (its
+                                    # actuators: 0.6-0.8 rad/s)
 
 
 def _descriptor(description: str, type_: int, read_only: bool = True,
@@ -58,6 +62,10 @@ PARAMETERS = {
     'camera_qos': ('sensor_data', _descriptor(
         'QoS of the camera subscriptions', _S, constraints="'sensor_data' (best effort, keep "
         "last 5) or 'reliable' (reliable, keep last 1)")),
+    'camera_transports': (['raw'], _descriptor(
+        "per camera topic 'raw' (sensor_msgs/Image on the topic) or 'compressed' "
+        "(sensor_msgs/CompressedImage, jpeg or png, on <topic>/compressed, as image_transport "
+        'names it); one value: every camera', _SA)),
     'joint_state_topic': ('/joint_states', _descriptor('sensor_msgs/JointState topic', _S)),
     'joint_names': (DEFAULT_JOINTS, _descriptor(
         'joints making up the state vector, in order (matched by name)', _SA)),
@@ -81,9 +89,29 @@ PARAMETERS = {
         _D, read_only=False, float_range=(0.0, 3600.0))),
     'max_state_age': (0.5, _descriptor(
         'seconds; same for the joint state', _D, read_only=False, float_range=(0.0, 3600.0))),
+    'max_future_stamp': (0.05, _descriptor(
+        'seconds; an input whose header stamp is further ahead of the node clock is refused '
+        '(clocks not synchronized) and never used', _D, float_range=(0.0, 60.0))),
+    'max_joint_velocity': ([DEFAULT_MAX_JOINT_VELOCITY], _descriptor(
+        'rad/s (robot units/s) per action joint, one value for all or one per joint, each > 0 '
+        '(.inf: none): the first point of every chunk moves at most this fast from the '
+        'measured /joint_states position, each later point from the one before, so a plan '
+        'far from the arm is reached along a ramp; default 1.5: below common arm limits, '
+        "above what the demo's arm moves", _DA, dynamic=True)),
+    'joint_position_min': ([], _descriptor(
+        'per action joint lower position limit, robot units (rad); every published point is '
+        'clipped to it and clipping is counted on /diagnostics; empty: none, one value: all '
+        'joints, -.inf: none for that joint', _DA, dynamic=True)),
+    'joint_position_max': ([], _descriptor(
+        'per action joint upper position limit, as joint_position_min', _DA, dynamic=True)),
     'model': ('tiny', _descriptor('model preset, used when checkpoint_path is empty', _S)),
-    'checkpoint_path': ('', _descriptor('upstream checkpoint directory (empty: random init)',
-                                        _S)),
+    'checkpoint_path': ('', _descriptor(
+        'upstream checkpoint directory (config.yaml + model.pt or *.safetensors) or weight '
+        'file; empty: random weights of the preset `model`, only with allow_random_weights',
+        _S)),
+    'allow_random_weights': (False, _descriptor(
+        'serve random weights (preset `model`, `seed`) when checkpoint_path is empty: tests '
+        'and the demo; false: configure fails without a checkpoint', _B)),
     'tokenizer_path': ('', _descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
                                        _S)),
     'tokenizer': ('auto', _descriptor(
@@ -138,8 +166,12 @@ PARAMETERS = {
     'debug_timing': (False, _descriptor(
         "per-chunk delay clues on ~/chunk_info (wake_late_ms, runqueue_wait_ms, "
         'publish_call_ms: where a late publish spent its time; reads /proc per chunk)', _B)),
-    'diagnostics_period': (1.0, _descriptor('seconds between /diagnostics messages', _D,
-                                            float_range=(0.05, 60.0))),
+    'diagnostics_period': (1.0, _descriptor(
+        'seconds between /diagnostics messages (system clock: they come without /clock too)',
+        _D, float_range=(0.05, 60.0))),
+    'output_error_periods': (3, _descriptor(
+        "chunk periods without a published chunk before the 'output' status goes ERROR (WARN "
+        'after one)', _I, int_range=(2, 1000))),
     'diag_min_camera_rate': (1.0, _descriptor(
         'Hz; a camera or joint state below this rate is WARN', _D, read_only=False,
         float_range=(0.0, 1000.0))),
@@ -252,7 +284,9 @@ def check_parameter_values(parameter) -> None:
 
     Raises:
         ParameterError: camera_topics, joint_names or action_joint_names empty; camera_qos
-            not one of CAMERA_QOS; max_step with other than 0, 1 or one value per action
+            not one of CAMERA_QOS; camera_transports not 1 or one per camera of
+            CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min / _max not
+            numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per action
             joint.
     """
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
@@ -261,49 +295,71 @@ def check_parameter_values(parameter) -> None:
     if parameter('camera_qos') not in CAMERA_QOS:
         raise ParameterError('camera_qos', parameter('camera_qos'),
                              f'is not one of {list(CAMERA_QOS)}')
-    joints, max_step = len(parameter('action_joint_names')), list(parameter('max_step'))
-    if len(max_step) not in (0, 1, joints):
-        raise ParameterError('max_step', max_step, f'has {len(max_step)} values; expected 0, '
-                                                   f'1 or {joints} (one per action joint)')
+    transports, cameras = list(parameter('camera_transports')), len(parameter('camera_topics'))
+    if len(transports) not in (1, cameras) or set(transports) - set(CAMERA_TRANSPORTS):
+        raise ParameterError('camera_transports', transports,
+                             f'is not 1 or {cameras} (one per camera topic) of '
+                             f'{list(CAMERA_TRANSPORTS)}')
+    for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max'):
+        per_joint(parameter, name)
+
+
+def per_joint(parameter, name: str) -> list[float] | None:
+    """A per-action-joint list parameter (float or list) as one float per action joint, or
+    None when empty (an empty YAML list reaches rclpy as no value: None); `parameter(name)`
+    -> its value. Raises ParameterError otherwise."""
+    value, joints = parameter(name), len(parameter('action_joint_names'))
+    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) \
+        else [value]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ParameterError(name, value, f'is not a number or a list of numbers (one value, '
+                                          f'or one per action joint: {joints})')
+    allowed = (1, joints) if name == 'max_joint_velocity' else (0, 1, joints)
+    if len(values) not in allowed:
+        expected = ', '.join(map(str, allowed[:-1])) + f' or {allowed[-1]}'
+        raise ParameterError(name, value, f'has {len(values)} values; expected {expected} '
+                                          '(one per action joint)')
+    if not values:
+        return None
+    return [float(v) for v in values] * (joints if len(values) == 1 else 1)
 
 
 def chunk_stitcher(parameter) -> ChunkStitcher:
     """The `ChunkStitcher` of control_period, smoothing and max_step (one value: every
     action joint); `parameter(name)` -> its value. Raises ValueError on a bad value."""
-    max_step = list(parameter('max_step'))
-    if len(max_step) == 1:
-        max_step = max_step * len(parameter('action_joint_names'))
+    max_step = per_joint(parameter, 'max_step')
     return ChunkStitcher(parameter('control_period'), smoothing=parameter('smoothing'),
-                         max_step=np.array(max_step) if max_step else None)
+                         max_step=None if max_step is None else np.array(max_step))
 
 
-def unmatched_parameter_files(argv: list[str], node_name: str) -> list[str]:
-    """Errors for `--params-file` files (in `argv`) with no section for `node_name`.
+def motion_limiter(parameter) -> MotionLimiter:
+    """The `MotionLimiter` of control_period, max_joint_velocity, joint_position_min and
+    joint_position_max; `parameter(name)` -> its value. The gripper dimension (gripper_index
+    >= 0) has no velocity limit: its binarized open / closed command is no joint position.
+    Raises ValueError on a bad value (ParameterError naming the parameter for lists of the
+    wrong length or type)."""
+    velocity = per_joint(parameter, 'max_joint_velocity')
+    if 0 <= parameter('gripper_index') < len(velocity):
+        velocity[parameter('gripper_index')] = np.inf
+    try:
+        return MotionLimiter(parameter('control_period'), max_velocity=velocity,
+                             position_min=per_joint(parameter, 'joint_position_min'),
+                             position_max=per_joint(parameter, 'joint_position_max'))
+    except ParameterError:
+        raise
+    except ValueError as error:     # MotionLimiter names max_velocity, position_min/_max
+        raise ValueError(f'max_joint_velocity / joint_position_min / joint_position_max: '
+                         f'{error}') from None
 
-    ROS applies a parameter file section only to the node it names (`molmobot_policy:`,
-    `/molmobot_policy:`, `/ns/molmobot_policy:`, or wildcards such as `/**:`); a misspelled
-    section is ignored without a word and the node would run on its defaults. Returns one
-    message per such file, naming its sections and the closest to `node_name`; files that
-    cannot be read are left to ROS to report.
-    """
-    import yaml
-    errors = []
-    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == '--params-file']
-    for path in paths:
-        try:
-            with open(path) as f:
-                sections = list((yaml.safe_load(f) or {}).keys())
-        except (OSError, yaml.YAMLError, AttributeError):
-            continue
-        names = [str(k).rstrip('/').split('/')[-1] for k in sections]
-        if any('*' in str(k) for k in sections) or node_name in names:
-            continue
-        close = difflib.get_close_matches(node_name, names, n=1)
-        errors.append(f"parameter file {path} has no section for node '{node_name}' (its "
-                      f'sections: {sections}' + (f"; did you mean '{node_name}' for "
-                                                  f"'{close[0]}'?" if close else '')
-                      + '): none of its parameters would apply')
-    return errors
+
+def camera_subscriptions(parameter) -> list[tuple[str, bool]]:
+    """(topic to subscribe, compressed?) per camera, in camera order: `<topic>/compressed`
+    where camera_transports says 'compressed'; `parameter(name)` -> its value."""
+    topics = list(parameter('camera_topics'))
+    transports = list(parameter('camera_transports'))
+    transports = transports * len(topics) if len(transports) == 1 else transports
+    return [(f"{t.rstrip('/')}/compressed", True) if kind == 'compressed' else (t, False)
+            for t, kind in zip(topics, transports)]
 
 
 def _float_hint(value, default: float) -> str:

@@ -3,8 +3,10 @@
 Subscription callbacks hand every message to `ObservationSynchronizer.add_image` /
 `add_joint_state`, which only store it (one message per camera topic, one position per
 joint: bounded memory). The worker calls `build(now, ...)` once per tick: it checks the
-age of every input, decodes only the frames it uses (lazily, `codec.image_to_rgb`) and
-returns a `types.Observation`, or a `Skip` naming what was missing, stale or bad.
+age of every input, decodes only the frames it uses (lazily, `codec.decode_image`: raw or
+compressed) and returns a `types.Observation`, or a `Skip` naming what was missing, stale
+or bad. `latest_positions` gives the motion limits the newest measured position of each
+commanded joint (the action joints, which may differ from the state joints).
 
 Times are plain float seconds in ROS time (header stamps, and `now` from the node clock).
 """
@@ -18,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from molmobot_policy.ros.codec import image_to_rgb
+from molmobot_policy.ros.codec import decode_image
 from molmobot_policy.types import Observation
 
 
@@ -56,14 +58,17 @@ class TopicStats:
         age: now - newest header stamp, s (None before the first message).
         count: messages received since construction.
         problem: why the newest input cannot be used although messages arrive (a frame
-            that failed to decode, a malformed joint state, configured joints never sent);
-            '' when none.
+            that failed to decode, a refused stamp, a malformed joint state, configured
+            joints never sent); '' when none.
+        problem_age: s the problem has lasted without a usable message in between (None
+            without a problem, or for joints never sent).
     """
 
     rate_hz: float
     age: float | None
     count: int
     problem: str = ''
+    problem_age: float | None = None
 
 
 class ObservationSynchronizer:
@@ -80,6 +85,8 @@ class ObservationSynchronizer:
         max_future: s (>= 0); a header stamp more than this ahead of the receive time (or of
             `now` at build) is refused: the sender's clock is ahead of ours, and such a frame
             would look fresh long after its camera stopped and block every later frame.
+        action_joint_names: further joints whose newest position is kept for
+            `latest_positions` (the commanded joints; those in joint_names are kept anyway).
 
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
@@ -94,8 +101,9 @@ class ObservationSynchronizer:
 
     def __init__(self, camera_topics: Sequence[str], joint_names: Sequence[str],
                  joint_state_topic: str = '/joint_states',
-                 decode: Callable[[object, str], np.ndarray] = image_to_rgb,
-                 rate_window: int = 30, max_future: float = 0.05) -> None:
+                 decode: Callable[[object, str], np.ndarray] = decode_image,
+                 rate_window: int = 30, max_future: float = 0.05,
+                 action_joint_names: Sequence[str] = ()) -> None:
         self.camera_topics = tuple(camera_topics)
         self.joint_names = tuple(joint_names)
         self.joint_state_topic = joint_state_topic
@@ -110,6 +118,8 @@ class ObservationSynchronizer:
         if not max_future >= 0.0:
             raise ValueError(f'max_future must be >= 0 s, got {max_future!r}')
         self.max_future = float(max_future)
+        self.action_joint_names = tuple(action_joint_names)
+        self._kept_joints = frozenset(self.joint_names + self.action_joint_names)
         self._decode = decode
         self._lock = threading.Lock()
         self._frames: dict[str, _Frame] = {}
@@ -120,6 +130,7 @@ class ObservationSynchronizer:
         self._last_stamps: dict[str, float] = {}   # per input, stamps used by the last build
         self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
         self._refused: dict[str, str] = {}         # per input, why its last message was not stored
+        self._problem_since: dict[str, float] = {}  # per input, when its problem began
         self._seq = 0
         self.frames_decoded = 0
         self.last_build_decoded = 0
@@ -146,10 +157,10 @@ class ObservationSynchronizer:
         problem = self.stamp_problem(stamp, received)
         with self._lock:
             self._note_receive(topic, received)
+            self._note_problem(self._refused, topic,
+                               problem and f'newest frame refused: {problem}', received)
             if problem:
-                self._refused[topic] = f'newest frame refused: {problem}'
                 return False
-            self._refused.pop(topic, None)
             current = self._frames.get(topic)
             if current is not None and stamp < current.stamp:
                 return False
@@ -175,24 +186,24 @@ class ObservationSynchronizer:
                        f'{len(positions)} positions; expected equal lengths')
             with self._lock:
                 self._note_receive(self.joint_state_topic, received)
-                self._refused[self.joint_state_topic] = f'last message refused: {problem}'
+                self._note_problem(self._refused, self.joint_state_topic,
+                                   f'last message refused: {problem}', received)
             raise ValueError(problem)
         problem = self.stamp_problem(stamp, received)
         bad = [n for n, p in zip(names, positions) if n in self.joint_names
                and not math.isfinite(p)]
+        topic = self.joint_state_topic
         with self._lock:
-            self._note_receive(self.joint_state_topic, received)
+            self._note_receive(topic, received)
+            self._note_problem(self._refused, topic,
+                               problem and f'last message refused: {problem}', received)
             if problem:
-                self._refused[self.joint_state_topic] = f'last message refused: {problem}'
                 return
-            self._refused.pop(self.joint_state_topic, None)
-            if bad:   # stored: the arm's state is unknown, the next build says which joints
-                self._problems[self.joint_state_topic] = \
-                    f'non-finite positions for joints {bad}'
-            else:
-                self._problems.pop(self.joint_state_topic, None)
+            # stored: the arm's state is unknown, the next build says which joints
+            self._note_problem(self._problems, topic,
+                               bad and f'non-finite positions for joints {bad}', received)
             for name, position in zip(names, positions):
-                if name in self.joint_names:
+                if name in self._kept_joints:
                     old = self._joints.get(name)
                     if old is None or stamp >= old[1]:
                         self._joints[name] = (float(position), float(stamp))
@@ -205,9 +216,41 @@ class ObservationSynchronizer:
         if stamp == 0.0:
             return 'header stamp unset (0)'
         if stamp - now > self.max_future:
-            return (f'stamped {stamp - now:.3f} s in the future (tolerance max_future '
-                    f'{self.max_future:.3f} s): are the clocks synchronized?')
+            return (f'stamped {stamp - now:.3f} s in the future (more than max_future_stamp '
+                    f'{self.max_future:.3f} s ahead of this node\'s clock): are the clocks '
+                    'synchronized?')
         return ''
+
+    def refused(self, topic: str) -> str:
+        """Why the last message on `topic` (a camera or the joint state topic) was not
+        stored ('' when it was): its stamp was unset or in the future, or it was malformed."""
+        with self._lock:
+            return self._refused.get(topic, '')
+
+    def latest_positions(self, names: Sequence[str]) -> tuple[np.ndarray, float]:
+        """The newest measured position of each joint in `names` (state or action joints).
+
+        Returns:
+            (positions, stamp): float64 (len(names),), robot units, nan for a joint never
+            received (or not kept: neither a state nor an action joint); and the newest
+            header stamp among those received, s (nan when none).
+        """
+        with self._lock:
+            found = [self._joints.get(n) for n in names]
+        positions = np.array([np.nan if j is None else j[0] for j in found], dtype=np.float64)
+        stamps = [j[1] for j in found if j is not None]
+        return positions, (max(stamps) if stamps else float('nan'))
+
+    def _note_problem(self, table: dict, topic: str, problem: str, t: float) -> None:
+        """Set (`problem` non-empty) or clear `topic`'s entry of `table` (self._refused or
+        self._problems), keeping when the topic's problems began. Holds the lock."""
+        if problem:
+            table[topic] = problem
+            self._problem_since.setdefault(topic, t)
+            return
+        table.pop(topic, None)
+        if topic not in self._refused and topic not in self._problems:
+            self._problem_since.pop(topic, None)
 
     def reset_history(self) -> None:
         """Forget everything stored and which stamps were used (after a ROS time jump back:
@@ -216,6 +259,7 @@ class ObservationSynchronizer:
             self._frames.clear()
             self._joints.clear()
             self._last_stamps = {}
+            self._problem_since.clear()      # times of the old timeline
 
     def _note_receive(self, topic: str, received: float) -> None:
         self._receive_times[topic].append(received)
@@ -303,10 +347,11 @@ class ObservationSynchronizer:
                     reasons.append(str(error))
                     topics.append(topic)
                     with self._lock:
-                        self._problems[topic] = f'newest frame refused: {error}'
+                        self._note_problem(self._problems, topic,
+                                           f'newest frame refused: {error}', now)
                     continue
                 with self._lock:
-                    self._problems.pop(topic, None)
+                    self._note_problem(self._problems, topic, '', now)
             images.append(frame.decoded)
         if reasons:
             return Skip(tuple(reasons), tuple(topics))
@@ -338,6 +383,7 @@ class ObservationSynchronizer:
                 span = max(now, times[-1]) - times[0] if times else 0.0
                 rate = (len(times) - 1) / span if len(times) >= 2 and span > 0 else 0.0
                 problem = self._refused.get(topic) or self._problems.get(topic, '')
+                since = self._problem_since.get(topic) if problem else None
                 if topic == self.joint_state_topic:
                     seen = [self._joints.get(n) for n in self.joint_names]
                     age = None if None in seen else now - min(j[1] for j in seen)
@@ -347,5 +393,6 @@ class ObservationSynchronizer:
                 else:
                     frame = self._frames.get(topic)
                     age = None if frame is None else now - frame.stamp
-                result[topic] = TopicStats(rate, age, self._counts[topic], problem)
+                result[topic] = TopicStats(rate, age, self._counts[topic], problem,
+                                           None if since is None else max(now - since, 0.0))
             return result

@@ -2,7 +2,9 @@
 
 Publishes
 - `camera_topics` (8, the last one on the wrist): sensor_msgs/Image, rgb8, sensor-data QoS;
-  header.stamp = ROS time of the simulation state the frame shows.
+  header.stamp = ROS time of the simulation state the frame shows. With `camera_transport:
+  compressed` instead sensor_msgs/CompressedImage on `<topic>/compressed` (image_transport's
+  name), jpeg at `jpeg_quality`, format 'rgb8; jpeg compressed bgr8'.
 - `joint_state_topic`: sensor_msgs/JointState with `JOINT_NAMES`, positions in rad.
 Subscribes
 - `trajectory_topic`: trajectory_msgs/JointTrajectory, followed as `sim.trajectory` describes
@@ -21,13 +23,14 @@ import math
 import threading
 import time
 
+import cv2
 import rclpy
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy._rclpy_pybind11 import RCLError
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
-from sensor_msgs.msg import Image, JointState
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.sim import trajectory
@@ -36,6 +39,7 @@ from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
 NODE_NAME = 'sim_robot'
 DEFAULT_CAMERA_TOPICS = [f'/cam{k}/image_raw' for k in range(NUM_CAMERAS)]
 DEFAULT_CAMERA_FRAME_IDS = [f'cam{k}_optical_frame' for k in range(NUM_CAMERAS)]
+CAMERA_TRANSPORTS = ('raw', 'compressed')
 WARN_THROTTLE_S = 2.0   # at most one warning per call site per this many seconds
 MAX_PHYSICS_DT_S = 0.1  # a late physics tick advances at most this much simulated time
 
@@ -95,12 +99,25 @@ class SimRobotNode(Node):
             _descriptor('rad/s speed limit for every joint; 0 = the Jaco actuator limits '
                         '(0.63 rad/s joints 1-3, 0.84 rad/s joints 4-6, 5 rad/s fingers)',
                         (0.0, 100.0))).value
+        transport = self.declare_parameter(
+            'camera_transport', 'raw', _descriptor(
+                "'raw' (sensor_msgs/Image on each camera topic) or 'compressed' "
+                '(sensor_msgs/CompressedImage, jpeg, on <topic>/compressed)')).value
+        self._jpeg_quality = self.declare_parameter(
+            'jpeg_quality', 90, _descriptor('jpeg quality of compressed images',
+                                            int_range=(1, 100))).value
         seed = self.declare_parameter(
             'seed', 0, _descriptor('seed of the cubes\' start positions',
                                    int_range=(0, 2**31 - 1))).value
         if len(camera_topics) != NUM_CAMERAS or len(frame_ids) != NUM_CAMERAS:
             raise ValueError(f'camera_topics and camera_frame_ids need {NUM_CAMERAS} entries, '
                              f'got {len(camera_topics)} and {len(frame_ids)}')
+        if transport not in CAMERA_TRANSPORTS:
+            raise ValueError(f"camera_transport must be one of {list(CAMERA_TRANSPORTS)}, got "
+                             f'{transport!r}')
+        self._compressed = transport == 'compressed'
+        if self._compressed:
+            camera_topics = [f"{t.rstrip('/')}/compressed" for t in camera_topics]
 
         self._scene = JacoScene(width, height, seed=seed,
                                 max_velocity=max_joint_velocity or None)
@@ -108,8 +125,10 @@ class SimRobotNode(Node):
         self._trajectory: trajectory.Trajectory | None = None
         self._last_physics_time: float | None = None
 
-        self._image_publishers = [self.create_publisher(Image, topic, qos_profile_sensor_data)
-                                  for topic in camera_topics]
+        message_type = CompressedImage if self._compressed else Image
+        self._image_publishers = [
+            self.create_publisher(message_type, topic, qos_profile_sensor_data)
+            for topic in camera_topics]
         self._joint_state_publisher = self.create_publisher(JointState, joint_state_topic, 10)
         self._trajectory_subscription = self.create_subscription(
             JointTrajectory, trajectory_topic, self._on_trajectory, 10)
@@ -122,8 +141,9 @@ class SimRobotNode(Node):
             target=self._render_loop, args=(1.0 / camera_rate,), name='sim_render', daemon=True)
         self._render_thread.start()
         self.get_logger().info(
-            f'{NUM_CAMERAS} cameras {width}x{height} at {camera_rate} Hz, joint states at '
-            f'{joint_state_rate} Hz, following {trajectory_topic}')
+            f'{NUM_CAMERAS} cameras {width}x{height} at {camera_rate} Hz ({transport}, on '
+            f'{camera_topics[0]}, ...), joint states at {joint_state_rate} Hz, following '
+            f'{trajectory_topic}')
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -177,9 +197,10 @@ class SimRobotNode(Node):
             while not self._stop.is_set():
                 stamp = self.get_clock().now().to_msg()
                 frames = self._scene.render_cameras()
+                build = self._compressed_message if self._compressed else self._image_message
                 for publisher, frame_id, frame in zip(
                         self._image_publishers, self._frame_ids, frames):
-                    publisher.publish(self._image_message(frame, stamp, frame_id))
+                    publisher.publish(build(frame, stamp, frame_id))
                 next_deadline += period
                 late = time.monotonic() - next_deadline
                 if late > 0.0:  # skip the ticks we missed instead of bursting
@@ -201,6 +222,16 @@ class SimRobotNode(Node):
         msg.is_bigendian = 0
         msg.step = msg.width * 3
         msg.data = frame.tobytes()
+        return msg
+
+    def _compressed_message(self, frame, stamp, frame_id: str) -> CompressedImage:
+        ok, data = cv2.imencode('.jpg', cv2.cvtColor(frame, cv2.COLOR_RGB2BGR),
+                                [cv2.IMWRITE_JPEG_QUALITY, int(self._jpeg_quality)])
+        if not ok:
+            raise RuntimeError(f'jpeg encoding failed for a {frame.shape} frame')
+        msg = CompressedImage(format='rgb8; jpeg compressed bgr8', data=data.tobytes())
+        msg.header.stamp = stamp
+        msg.header.frame_id = frame_id
         return msg
 
     def destroy_node(self):

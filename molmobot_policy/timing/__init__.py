@@ -18,13 +18,16 @@ Pure python + numpy, no rclpy: every time is a float in seconds passed in by the
 """
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
-from molmobot_policy.timing.loop import (ChunkReport, DelayClues, LoopEvents, LoopStats,
-                                         PolicyLoop, Wait)
+from molmobot_policy.timing.loop import PolicyLoop, Wait, latency_estimator
+from molmobot_policy.timing.motion import LimitedPoints, MotionLimiter
+from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
+from molmobot_policy.timing.watchdog import OutputState, OutputWatchdog
 from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
 from molmobot_policy.timing.stats import (GcPauses, RollingStats, freeze_heap, runqueue_wait_s,
                                           unfreeze_heap)
 
 __all__ = ['ChunkReport', 'ChunkStitcher', 'DeadlineScheduler', 'DelayClues', 'GcPauses',
-           'LatencyEstimator', 'LoopEvents', 'LoopStats', 'MissedTicks', 'ObservationGate',
-           'PolicyLoop', 'RollingStats', 'StitchedChunk', 'Tick', 'Wait', 'freeze_heap',
-           'runqueue_wait_s', 'unfreeze_heap']
+           'LatencyEstimator', 'LimitedPoints', 'LoopEvents', 'LoopStats', 'MissedTicks',
+           'MotionLimiter', 'ObservationGate', 'OutputState', 'OutputWatchdog', 'PolicyLoop',
+           'RollingStats', 'StitchedChunk', 'Tick', 'Wait', 'freeze_heap',
+           'latency_estimator', 'runqueue_wait_s', 'unfreeze_heap']

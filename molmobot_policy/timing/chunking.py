@@ -101,6 +101,20 @@ class ChunkStitcher:
         self._previous: Optional[StitchedChunk] = None
         self._last_now: Optional[float] = None
 
+    def commit(self, chunk: StitchedChunk) -> None:
+        """Make `chunk`, the last `stitch` result as it is published (e.g. after
+        `MotionLimiter` moved points), the previous chunk the next one is joined to.
+
+        Raises:
+            ValueError: `chunk` has other times than the last stitched chunk.
+        """
+        previous = self._previous
+        if previous is None or not np.array_equal(previous.times, chunk.times) \
+                or chunk.positions.shape != previous.positions.shape:
+            raise ValueError('commit() takes the last stitched chunk (same times and shape), '
+                             'with its points changed')
+        self._previous = chunk
+
     @property
     def previous(self) -> Optional[StitchedChunk]:
         """The last non-empty stitched chunk, or None."""

@@ -3,12 +3,15 @@
 Timing model (DESIGN.md, "Timing model"): ticks come from a `DeadlineScheduler` with the
 deadlines `t0 + k * chunk_period` (seconds, the injected clock: ROS time, so sim time
 works). Inference for a tick starts `lead` seconds before its deadline, the lead being the
-measured p99 latency times a margin (`LatencyEstimator`), capped at MAX_LEAD_FRACTION of the
-period. The worker takes the newest observation (`observe`), refuses one not newer than the
-last used (`ObservationGate`), runs `predict`, drops the actions already in the past at
-publish time and joins the chunk to the previous one (`ChunkStitcher`), lets `publish`
-build its messages, waits for the deadline and sends them: only the send runs after the
-wake-up. Action k of a chunk executes at `observation.stamp + k * control_period`.
+measured p99 latency times a margin (`LatencyEstimator`, `latency_estimator`), capped at
+MAX_LEAD_FRACTION of the period; until enough samples, the engine's measured warm-up
+inference time times the margin. The worker takes the newest observation (`observe`),
+refuses one not newer than the last used (`ObservationGate`), runs `predict`, drops the
+actions already in the past at publish time and joins the chunk to the previous one
+(`ChunkStitcher`), anchors the points to the measured joint state within the velocity and
+position limits (`MotionLimiter`, `measured`), lets `publish` build its messages, waits for
+the deadline and sends them: only the send runs after the wake-up. Action k of a chunk
+executes at `observation.stamp + k * control_period`.
 
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
 after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
@@ -18,7 +21,10 @@ between reads, so the wake-up is not late by a timed wait's slack.
 Clock jumps: every clock read is compared with the previous one. A clock that went back
 (sim time restarted, the system clock set back) ends a wait at once, also the wait for a
 deadline: the chunk built for the old time base is dropped, never published, and the
-schedule, the stitcher and the observation gate restart from the new time.
+schedule, the stitcher and the observation gate restart from the new time
+(`LoopEvents.clock_jumped` first: the caller forgets its stored inputs there). Before the
+clock starts (sim time before the first /clock message reads 0) the loop waits and says so
+every CLOCK_REPORT_S of `timer` time (`LoopEvents.waiting_for_clock`).
 
 Delay clues (`debug_timing`): how late the last timed wait before the deadline returned,
 the worker's run-queue wait from before that wait to after the publish (Linux schedstat,
@@ -33,15 +39,18 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
 
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
-from molmobot_policy.timing.scheduler import DeadlineScheduler, MissedTicks, ObservationGate, Tick
-from molmobot_policy.timing.stats import RollingStats, runqueue_wait_s
+from molmobot_policy.timing.motion import MotionLimiter
+from molmobot_policy.timing.reports import (STATS_WINDOW, ChunkReport, DelayClues,  # noqa: F401
+                                            LoopEvents, LoopStats)
+from molmobot_policy.timing.scheduler import DeadlineScheduler, ObservationGate, Tick
+from molmobot_policy.timing.stats import runqueue_wait_s
 from molmobot_policy.types import ActionChunk, Observation
 
 POLL_S = 0.05               # longest single wait (stop, sim time and clock jump checks)
@@ -53,7 +62,38 @@ MAX_LEAD_FRACTION = 0.9     # lead <= this * chunk_period: one latency spike (a 
                             # action is in the past at publish time) for a whole window of
                             # latency samples; the rest of the period is left for the
                             # publish bookkeeping before the next tick starts
-STATS_WINDOW = 200          # samples kept for p50/p99/max
+LATENCY_MARGIN = 1.2        # lead = latency quantile (or warm-up inference time) * this
+SETTLE_SAMPLES = 2          # inferences after each activation left out of the lead: they
+                            # run on cold caches and clocks after the pause
+OUTLIER_FACTOR = 3.0        # a latency above this times the window's median is a spike, not
+                            # the new steady state (LatencyEstimator)
+CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds)
+
+
+def latency_estimator(chunk_period: float,
+                      inference_seconds: Optional[float] = None) -> LatencyEstimator:
+    """The loop's lead estimate for `chunk_period` (s): the p99 of warm latencies times
+    LATENCY_MARGIN, capped at MAX_LEAD_FRACTION * chunk_period, the first SETTLE_SAMPLES
+    after each `restart()` and spikes above OUTLIER_FACTOR x the median left out. Until
+    enough samples: `inference_seconds` (s, one warm query measured at the end of the
+    engine's warm-up) times the margin, or min(0.5 * chunk_period, 1 s) when None.
+
+    Raises:
+        ValueError: chunk_period not > 0, inference_seconds negative or not finite.
+    """
+    if not chunk_period > 0.0:
+        raise ValueError(f'chunk_period must be > 0 seconds, got {chunk_period!r}')
+    if inference_seconds is None:
+        initial = min(0.5 * chunk_period, 1.0)
+    elif not (isinstance(inference_seconds, (int, float)) and np.isfinite(inference_seconds)
+              and inference_seconds >= 0.0):
+        raise ValueError(f'engine.inference_seconds must be None or a finite number of '
+                         f'seconds >= 0, got {inference_seconds!r}')
+    else:
+        initial = float(inference_seconds) * LATENCY_MARGIN
+    return LatencyEstimator(margin=LATENCY_MARGIN, initial=initial,
+                            max_lead=MAX_LEAD_FRACTION * chunk_period, settle=SETTLE_SAMPLES,
+                            outlier_factor=OUTLIER_FACTOR)
 
 
 class Wait(enum.Enum):
@@ -61,96 +101,6 @@ class Wait(enum.Enum):
     REACHED = 'reached'             # the clock reads >= the target
     STOPPED = 'stopped'             # `stop()` was called
     CLOCK_JUMPED = 'clock jumped'   # the clock went back: the target is in the old time base
-
-
-@dataclass(frozen=True)
-class DelayClues:
-    """Where a publish's delay went (debug_timing), seconds; None where not measured.
-
-    Attributes:
-        wake_late: how late the last timed wait before the deadline returned (None: no timed
-            wait, i.e. inference ran into the polling tail, or sim time).
-        runqueue_wait: the worker thread runnable without a CPU from before that wait to after
-            the publish (None: no timed wait, or no schedstat on this system).
-        publish_call: how long the send took.
-    """
-
-    wake_late: Optional[float]
-    runqueue_wait: Optional[float]
-    publish_call: float
-
-
-@dataclass(frozen=True)
-class ChunkReport:
-    """One published chunk.
-
-    Attributes:
-        tick: the tick's index on the schedule.
-        observation_seq, observation_stamp: `Observation.seq` / `.stamp` (s) of its input.
-        observation_age_ms: publish time - observation stamp, ms.
-        inference_ms: `ActionChunk.inference_ms` of the chunk.
-        publish_jitter_ms: publish time - the tick's deadline, ms.
-        positions: float64 (K, A), the published points, robot units.
-        dropped: actions dropped from the front (in the past at publish time).
-        count: chunks this loop has published, this one included.
-        delay: the delay clues with debug_timing, else None.
-    """
-
-    tick: int
-    observation_seq: int
-    observation_stamp: float
-    observation_age_ms: float
-    inference_ms: float
-    publish_jitter_ms: float
-    positions: np.ndarray
-    dropped: int
-    count: int
-    delay: Optional[DelayClues] = None
-
-
-class LoopEvents:
-    """What the loop reports, on its thread; these defaults ignore it (subclass to log)."""
-
-    def skipped(self, tick: int, reason: str) -> None:
-        """Tick `tick` published nothing, for `reason` (names the input or parameter)."""
-
-    def failed(self, tick: int, error: Exception) -> None:
-        """Tick `tick` raised `error` (observe/predict/publish bug); the loop goes on."""
-
-    def clock_jumped(self, seconds: float) -> None:
-        """The clock went back by `seconds`; the schedule restarts from the new time."""
-
-    def published(self, report: ChunkReport) -> None:
-        """A chunk was sent."""
-
-
-class LoopStats:
-    """Counters and rolling statistics of one loop (read by diagnostics on other threads).
-
-    Attributes:
-        inference_ms, jitter_ms, age_ms: `RollingStats` of inference time, publish jitter and
-            sensor-to-publish age, ms.
-        chunks_published, dropped_actions, skipped_ticks, failed_ticks: counts.
-        deadline_misses: ticks skipped because their start time had passed, plus chunks
-            published more than half a control period after their deadline.
-        last_skip: the latest reason a tick published nothing ('' when none; the schedule
-            diagnostic clears it after reporting it).
-    """
-
-    def __init__(self, window: int = STATS_WINDOW) -> None:
-        self.inference_ms = RollingStats(window)
-        self.jitter_ms = RollingStats(window)
-        self.age_ms = RollingStats(window)
-        self.chunks_published = 0
-        self.deadline_misses = 0
-        self.dropped_actions = 0
-        self.skipped_ticks = 0
-        self.failed_ticks = 0
-        self.last_skip = ''
-
-    def count_missed(self, miss: MissedTicks) -> None:
-        """`DeadlineScheduler` on_miss callback."""
-        self.deadline_misses += miss.count
 
 
 class PolicyLoop:
@@ -170,6 +120,12 @@ class PolicyLoop:
         events: a `LoopEvents`; default: ignore.
         sim_time: () -> bool; True while the clock follows /clock (no polling tail, no
             delay clues).
+        limiter: a `MotionLimiter` applied to every stitched chunk (None: none).
+        measured: () -> (positions, stamp): float (joints,) the latest measured position of
+            each published joint (nan: not anchored) and that measurement's header stamp
+            (s; nan when none); read after stitching, for the limiter.
+        latency: the `LatencyEstimator` setting the lead (`restart()` at each `run`);
+            default `latency_estimator(chunk_period)`.
         debug_timing: measure `DelayClues` per chunk.
         stop_event: the event `stop()` sets and the waits block on (`threading.Event`
             interface: set, is_set, wait(timeout) -> bool); default a new Event.
@@ -187,7 +143,10 @@ class PolicyLoop:
                  events: Optional[LoopEvents] = None,
                  sim_time: Callable[[], bool] = lambda: False, debug_timing: bool = False,
                  stop_event=None, timer: Callable[[], float] = time.perf_counter,
-                 runqueue_wait: Callable[[], Optional[float]] = runqueue_wait_s) -> None:
+                 runqueue_wait: Callable[[], Optional[float]] = runqueue_wait_s,
+                 limiter: Optional[MotionLimiter] = None,
+                 measured: Optional[Callable[[], tuple]] = None,
+                 latency: Optional[LatencyEstimator] = None) -> None:
         if not chunk_period > 0.0:
             raise ValueError(f'chunk_period must be > 0 seconds, got {chunk_period!r}')
         self._clock, self._observe, self._predict = clock, observe, predict
@@ -197,9 +156,11 @@ class PolicyLoop:
         self._sim_time, self._debug = sim_time, bool(debug_timing)
         self._stop = stop_event if stop_event is not None else threading.Event()
         self._timer, self._runqueue_wait = timer, runqueue_wait
+        if limiter is not None and measured is None:
+            raise ValueError('a limiter needs `measured`, the measured joint positions')
+        self._limiter, self._measured = limiter, measured
         self.stats = LoopStats()
-        self._latency = LatencyEstimator(initial=min(0.5 * chunk_period, 1.0),
-                                         max_lead=MAX_LEAD_FRACTION * chunk_period)
+        self.latency = latency or latency_estimator(chunk_period)
         self._gate = ObservationGate()
         self.scheduler: Optional[DeadlineScheduler] = None     # once the clock runs
         self._last_now = -np.inf
@@ -268,16 +229,21 @@ class PolicyLoop:
     def run(self) -> None:
         """Ticks until `stop()`. Never raises for a bad tick: each failure is counted and
         reported (`LoopEvents.failed`) and the next tick runs."""
+        self.latency.restart()
+        waiting_since = reported = self._timer()
         while self._now() <= 0.0:       # sim time before the first /clock message
             if self._stop.wait(POLL_S):
                 return
+            if self._timer() - reported >= CLOCK_REPORT_S:
+                reported = self._timer()
+                self._events.waiting_for_clock(reported - waiting_since)
         self._restart(self._now())
         while not self._stop.is_set():
             now = self._now()
             if self._jumped is not None:
                 self._restart(now)
                 continue
-            self.scheduler.set_lead(self._latency.lead())
+            self.scheduler.set_lead(self.latency.lead())
             tick = self.scheduler.next_tick(now)
             waited = self.wait_until(tick.start_at)
             if waited is Wait.STOPPED:
@@ -304,6 +270,7 @@ class PolicyLoop:
             self.scheduler.reset(now + self._period)
         self._stitcher.reset()
         self._gate.reset()
+        self._events.started(now)
 
     def _skip(self, tick: Tick, reason: str, counted: bool = True) -> None:
         if counted:
@@ -323,7 +290,7 @@ class PolicyLoop:
             chunk = self._predict(observation)
         except ValueError as error:
             return self._skip(tick, f'engine refused observation: {error}')
-        self._latency.record(self._timer() - started)
+        self.latency.record(self._timer() - started)
         self.stats.inference_ms.add(chunk.inference_ms)
         # actions before the publish time are dropped; the publish time is the deadline
         # unless inference overran it
@@ -334,6 +301,10 @@ class PolicyLoop:
         if len(stitched) == 0:
             return self._skip(tick, f'all {stitched.dropped} actions were in the past at '
                                     'publish time', counted=False)
+        limits = self._limit(stitched)
+        if limits is not None:
+            stitched = replace(stitched, positions=limits.positions)
+            self._stitcher.commit(stitched)     # the next chunk joins what was published
         send = self._publish(stitched)
         if self.wait_until(tick.deadline) is not Wait.REACHED:
             return      # stopped, or the clock went back: never publish into the new time
@@ -346,11 +317,28 @@ class PolicyLoop:
             after = None if mark is None else self._runqueue_wait()
             delay = DelayClues(wake_late, None if after is None else after - mark,
                                published - called)
-        self._record(tick, observation, chunk, stitched, published, delay)
+        self._record(tick, observation, chunk, stitched, published, delay, limits)
+
+    def _limit(self, stitched: StitchedChunk):
+        """The limiter's `LimitedPoints` for the stitched chunk (None without a limiter)."""
+        if self._limiter is None:
+            return None
+        positions, stamp = self._measured()
+        stamp = float(stamp) if np.isfinite(stamp) else float(stitched.times[0])
+        return self._limiter.limit(stitched.times, stitched.positions, positions, stamp)
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
-                stitched: StitchedChunk, published: float, delay: Optional[DelayClues]) -> None:
+                stitched: StitchedChunk, published: float, delay: Optional[DelayClues],
+                limits) -> None:
         stats = self.stats
+        limited = clipped = 0
+        offset = float('nan')
+        if limits is not None:
+            limited, clipped = limits.velocity_limited, limits.position_clipped
+            anchored = limits.start_offset[np.isfinite(limits.start_offset)]
+            offset = float(anchored.max()) if anchored.size else offset
+            stats.velocity_limited += limited
+            stats.position_clipped += clipped
         if published > tick.deadline + 0.5 * self._stitcher.control_period:
             stats.deadline_misses += 1           # inference overran its lead
         jitter_ms = (published - tick.deadline) * 1e3
@@ -363,4 +351,5 @@ class PolicyLoop:
             observation_stamp=observation.stamp, observation_age_ms=age_ms,
             inference_ms=chunk.inference_ms, publish_jitter_ms=jitter_ms,
             positions=stitched.positions, dropped=stitched.dropped,
-            count=stats.chunks_published, delay=delay))
+            count=stats.chunks_published, delay=delay, velocity_limited=limited,
+            position_clipped=clipped, start_offset=offset))

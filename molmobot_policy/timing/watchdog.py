@@ -5,6 +5,11 @@ arm. Whatever the cause (a stale camera, a NaN joint state, no /clock, a refused
 output status says so: OK while chunks are published on schedule, WARN once no chunk came
 for more than one period, ERROR after `error_periods` periods; the message names the last
 reason a tick was skipped. Plain python; times are float seconds from the caller's clock.
+
+Under sim time the caller's clock (ROS time) can stand still: before the first /clock message
+it reads 0, and it stops when /clock does. Then no period passes on it and `check` alone would
+stay OK; `check_clock` measures the standstill on a wall clock instead (WARN at once while
+ROS time has not started, and after one period of standstill; ERROR after `error_periods`).
 """
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ class OutputWatchdog:
         self._since: float | None = None
         self._reason = ''
         self._published = 0
+        self._clock_seen: float | None = None     # the last ROS time check_clock saw
+        self._clock_since = 0.0                   # wall time it first read that value
 
     def start(self, now: float) -> None:
         """Begin watching at `now` (activation, or a time reset): the clock restarts."""
@@ -62,6 +69,7 @@ class OutputWatchdog:
         """Stop watching (deactivated): `check` reports that nothing is expected."""
         with self._lock:
             self._since = None
+            self._clock_seen = None
 
     def published(self, now: float) -> None:
         """A chunk reached the output at `now`."""
@@ -90,3 +98,29 @@ class OutputWatchdog:
             return OutputState(WARN, f'{what} for {gap:.2f} s (> one period '
                                      f'{self.period:.3f} s){why}', gap)
         return OutputState(OK, 'chunks published on schedule', gap)
+
+    def check_clock(self, now: float, wall: float) -> OutputState | None:
+        """The output's state while the ROS clock stands still (sim time), else None.
+
+        Args:
+            now: the ROS time, s (0 before the first /clock message).
+            wall: a wall clock that always runs (e.g. time.monotonic()), s.
+        Returns:
+            WARN / ERROR naming the clock while ROS time has not started (WARN at once) or
+            has read the same value for more than one period of wall time; None while it
+            advances (then `check(now)` gives the state).
+        """
+        with self._lock:
+            if self._clock_seen is None or now != self._clock_seen:
+                self._clock_seen, self._clock_since = float(now), float(wall)
+            standstill = max(wall - self._clock_since, 0.0)
+        if now > 0.0 and standstill <= self.period:
+            return None
+        if now > 0.0:
+            what = (f'ROS time stopped at {now:.3f} s: no /clock message for {standstill:.1f} s '
+                    '(use_sim_time is true), the robot gets no commands')
+        else:
+            what = (f'waiting for /clock for {standstill:.1f} s: use_sim_time is true and ROS '
+                    'time has not started, the robot gets no commands')
+        level = ERROR if standstill > self.error_periods * self.period else WARN
+        return OutputState(level, what, standstill)

@@ -1,0 +1,125 @@
+"""What the policy loop reports: per-chunk reports, the event sink, the loop's counters.
+
+`PolicyLoop` (timing/loop.py) calls a `LoopEvents` on its thread and keeps a `LoopStats`
+that diagnostics read from other threads; a `ChunkReport` describes each published chunk.
+Plain python + numpy; no rclpy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from molmobot_policy.timing.scheduler import MissedTicks
+from molmobot_policy.timing.stats import RollingStats
+
+STATS_WINDOW = 200          # samples kept for p50/p99/max
+
+
+@dataclass(frozen=True)
+class DelayClues:
+    """Where a publish's delay went (debug_timing), seconds; None where not measured.
+
+    Attributes:
+        wake_late: how late the last timed wait before the deadline returned (None: no timed
+            wait, i.e. inference ran into the polling tail, or sim time).
+        runqueue_wait: the worker thread runnable without a CPU from before that wait to after
+            the publish (None: no timed wait, or no schedstat on this system).
+        publish_call: how long the send took.
+    """
+
+    wake_late: Optional[float]
+    runqueue_wait: Optional[float]
+    publish_call: float
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """One published chunk.
+
+    Attributes:
+        tick: the tick's index on the schedule.
+        observation_seq, observation_stamp: `Observation.seq` / `.stamp` (s) of its input.
+        observation_age_ms: publish time - observation stamp, ms.
+        inference_ms: `ActionChunk.inference_ms` of the chunk.
+        publish_jitter_ms: publish time - the tick's deadline, ms.
+        positions: float64 (K, A), the published points, robot units.
+        dropped: actions dropped from the front (in the past at publish time).
+        count: chunks this loop has published, this one included.
+        delay: the delay clues with debug_timing, else None.
+        velocity_limited, position_clipped: (point, joint) values the `MotionLimiter` moved.
+        start_offset: the largest |planned first point - measured position| over the
+            anchored joints, robot units (nan: none anchored, or no limiter).
+    """
+
+    tick: int
+    observation_seq: int
+    observation_stamp: float
+    observation_age_ms: float
+    inference_ms: float
+    publish_jitter_ms: float
+    positions: np.ndarray
+    dropped: int
+    count: int
+    delay: Optional[DelayClues] = None
+    velocity_limited: int = 0
+    position_clipped: int = 0
+    start_offset: float = float('nan')
+
+
+class LoopEvents:
+    """What the loop reports, on its thread; these defaults ignore it (subclass to log)."""
+
+    def skipped(self, tick: int, reason: str) -> None:
+        """Tick `tick` published nothing, for `reason` (names the input or parameter)."""
+
+    def failed(self, tick: int, error: Exception) -> None:
+        """Tick `tick` raised `error` (observe/predict/publish bug); the loop goes on."""
+
+    def clock_jumped(self, seconds: float) -> None:
+        """The clock went back by `seconds`; the schedule restarts from the new time (called
+        before the restart: inputs stored in the old time base are to be forgotten now)."""
+
+    def started(self, now: float) -> None:
+        """The schedule (re)started at `now` (s): at the first clock reading > 0 and after
+        each clock jump back; the first chunk is due one period later."""
+
+    def waiting_for_clock(self, seconds: float) -> None:
+        """The clock has not started after `seconds` (timer time): nothing is published."""
+
+    def published(self, report: ChunkReport) -> None:
+        """A chunk was sent."""
+
+
+class LoopStats:
+    """Counters and rolling statistics of one loop (read by diagnostics on other threads).
+
+    Attributes:
+        inference_ms, jitter_ms, age_ms: `RollingStats` of inference time, publish jitter and
+            sensor-to-publish age, ms.
+        chunks_published, dropped_actions, skipped_ticks, failed_ticks: counts.
+        velocity_limited, position_clipped: (point, joint) values moved by the motion
+            limits, summed over the published chunks.
+        deadline_misses: ticks skipped because their start time had passed, plus chunks
+            published more than half a control period after their deadline.
+        last_skip: the latest reason a tick published nothing ('' when none; the schedule
+            diagnostic clears it after reporting it).
+    """
+
+    def __init__(self, window: int = STATS_WINDOW) -> None:
+        self.inference_ms = RollingStats(window)
+        self.jitter_ms = RollingStats(window)
+        self.age_ms = RollingStats(window)
+        self.chunks_published = 0
+        self.deadline_misses = 0
+        self.dropped_actions = 0
+        self.skipped_ticks = 0
+        self.failed_ticks = 0
+        self.velocity_limited = 0
+        self.position_clipped = 0
+        self.last_skip = ''
+
+    def count_missed(self, miss: MissedTicks) -> None:
+        """`DeadlineScheduler` on_miss callback."""
+        self.deadline_misses += miss.count

@@ -1,0 +1,370 @@
+"""The node's safety wiring in this process (its own rclpy context, a stand-in engine, a peer
+node publishing the cameras and the joint state): what is served (random weights only on
+purpose, logged and on /diagnostics), parameter files matched by the fully qualified name,
+the first point limited against the measured joint state, the output status going ERROR
+while nothing is published, an undecodable camera going ERROR, the first lead from the
+engine's warm-up timing."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from trajectory_msgs.msg import JointTrajectory  # noqa: E402
+
+from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
+from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+
+from _golden import GOLDEN, MISSING  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+JOINTS = [f'joint_{k}' for k in range(7)]
+CONTROL_PERIOD = 0.05
+DIAGNOSTICS = 0.2
+
+
+class _Engine:
+    """The tiny preset's contract; every action = `plan`; `inference_seconds` as the real
+    engine's warm-up measures it."""
+
+    plan = 0.0
+    inference_seconds = None
+
+    def __init__(self, config):
+        self.config = config
+        self.model_config = MolmoBotConfig.from_name('tiny')
+        self.mode = {'model': 'stand-in'}
+
+    def warmup(self, progress=None):
+        return 0.0
+
+    def check_instruction(self, instruction):
+        return 1
+
+    def close(self):
+        pass
+
+    def predict(self, observation):
+        from molmobot_policy.types import ActionChunk
+        actions = np.full((16, 8), self.plan, np.float32)
+        return ActionChunk(actions=actions, actions_normalized=actions,
+                           observation_stamp=observation.stamp,
+                           observation_seq=observation.seq, inference_ms=1.0)
+
+
+class _Log:
+    """The node's logger with every line kept (level, text)."""
+
+    def __init__(self, logger) -> None:
+        self._logger, self.lines, self._lock = logger, [], threading.Lock()
+
+    def _keep(self, level, message):
+        with self._lock:
+            self.lines.append((level, message))
+
+    # one rclpy call site per severity and filter (rclpy refuses a call site that
+    # changes them)
+    def info(self, message, **kwargs):
+        self._keep('info', message)
+        if kwargs:      # a throttled call site
+            return self._logger.info(message, **kwargs)
+        return self._logger.info(message)
+
+    def warning(self, message, **kwargs):
+        self._keep('warning', message)
+        if kwargs:      # a throttled call site
+            return self._logger.warning(message, **kwargs)
+        return self._logger.warning(message)
+
+    def error(self, message, **kwargs):
+        self._keep('error', message)
+        if kwargs:      # a throttled call site
+            return self._logger.error(message, **kwargs)
+        return self._logger.error(message)
+
+    def text(self, level=None) -> str:
+        with self._lock:
+            return '\n'.join(m for lv, m in self.lines if level in (None, lv))
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
+
+
+class _Graph:
+    """A PolicyNode (not started) and a peer publishing `cameras` frames (rgb8 unless
+    `encodings` says otherwise) and `positions` on the joint state; the peer records."""
+
+    def __init__(self, name: str, engine=_Engine, namespace=None, argv=None,
+                 action_joints=JOINTS, **parameters) -> None:
+        self.name = name
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.cameras = [f'/{name}_cam0', f'/{name}_cam1']
+        self.joint_states = f'/{name}_joint_states'
+        values = dict(autostart=False, camera_topics=self.cameras, joint_names=JOINTS,
+                      action_joint_names=list(action_joints), instruction='pick',
+                      joint_state_topic=self.joint_states, chunk_period=0.2,
+                      control_period=CONTROL_PERIOD, diagnostics_period=DIAGNOSTICS,
+                      gc_freeze=False, max_image_age=0.5, max_state_age=0.5, **parameters)
+        kwargs = {} if namespace is None else {'namespace': namespace}
+        self.policy = PolicyNode(engine_factory=engine, node_name=name, context=self.context,
+                                 argv=argv, parameter_overrides=[
+                                     Parameter(k, value=v) for k, v in values.items()],
+                                 **kwargs)
+        self.log = _Log(self.policy.get_logger())
+        self.policy.get_logger = lambda: self.log
+        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
+        self.lock = threading.Lock()
+        self.trajectories, self.infos, self.diagnostics = [], [], []
+        self.positions = {n: 0.0 for n in JOINTS}
+        self.encodings = {}
+        fqn = self.policy.get_fully_qualified_name()
+        self.peer.create_subscription(JointTrajectory, f'{fqn}/joint_trajectory',
+                                      self._keep(self.trajectories), 10)
+        self.peer.create_subscription(DiagnosticStatus, f'{fqn}/chunk_info',
+                                      self._keep(self.infos), 10)
+        self.peer.create_subscription(DiagnosticArray, '/diagnostics',
+                                      self._keep(self.diagnostics), 10)
+        self._camera_pubs = [self.peer.create_publisher(Image, t, qos_profile_sensor_data)
+                             for t in self.cameras]
+        self._joint_pub = self.peer.create_publisher(JointState, self.joint_states, 10)
+        self.peer.create_timer(0.05, self._publish)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.policy)
+        self.executor.add_node(self.peer)
+        self.thread = None
+
+    def _keep(self, store):
+        def callback(msg):
+            with self.lock:
+                store.append(msg)
+        return callback
+
+    def _publish(self):
+        stamp = self.peer.get_clock().now().to_msg()
+        for topic, publisher in zip(self.cameras, self._camera_pubs):
+            encoding = self.encodings.get(topic, 'rgb8')
+            msg = Image(height=4, width=4, encoding=encoding, step=12, data=bytes(48))
+            msg.header.stamp = stamp
+            publisher.publish(msg)
+        state = JointState(name=list(self.positions), position=list(self.positions.values()))
+        state.header.stamp = stamp
+        self._joint_pub.publish(state)
+
+    def start(self) -> None:
+        assert self.policy.autostart(), self.log.text('error')
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def status(self, task: str):
+        """The latest /diagnostics status '<node>: <task>' (None before one)."""
+        for array in reversed(self.diagnostics):
+            for status in array.status:
+                if status.name == f'{self.name}: {task}':
+                    return status
+        return None
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.policy.destroy_node()
+        self.peer.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        if self.thread is not None:
+            self.thread.join(timeout=5.0)
+
+
+@pytest.fixture
+def graph():
+    graphs = []
+
+    def make(name, **kwargs):
+        graphs.append(_Graph(name, **kwargs))
+        return graphs[-1]
+    yield make
+    for g in graphs:
+        g.close()
+
+
+def _values(status) -> dict:
+    return {kv.key: kv.value for kv in status.values}
+
+
+def _level(status):
+    return status.level         # bytes, as DiagnosticStatus.OK / WARN / ERROR
+
+
+# ------------------------------------------------------------------ 1. what is served
+def test_an_empty_checkpoint_path_fails_configure_unless_random_weights_are_allowed(graph):
+    built = []
+    g = graph('safety_no_checkpoint', engine=lambda config: built.append(config))
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    assert built == []                          # refused before any engine is built
+    errors = g.log.text('error')
+    assert 'checkpoint_path is empty' in errors and 'allow_random_weights: true' in errors
+    assert 'checkpoint_path:=' in errors        # says how to pass one
+
+
+def test_random_weights_are_logged_at_every_start_and_on_diagnostics(graph):
+    g = graph('safety_random', allow_random_weights=True, seed=3)
+    g.start()
+    assert 'serving RANDOM WEIGHTS (preset tiny, seed 3)' in g.log.text('warning')
+    assert 'serving RANDOM WEIGHTS (preset tiny, seed 3)' in g.log.text('info')   # active
+    assert g.wait_for(lambda: g.status('inference') is not None)
+    assert _values(g.status('inference'))['weights'] == 'RANDOM WEIGHTS (preset tiny, seed 3)'
+
+
+@pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(), reason=MISSING)
+def test_a_checkpoint_is_logged_with_its_weights_fingerprint(graph):
+    from molmobot_policy.model.provenance import weights_fingerprint
+    g = graph('safety_checkpoint', checkpoint_path=str(GOLDEN), norm_stats_key='synthmanip')
+    g.start()
+    served = f'checkpoint {GOLDEN} (weights fingerprint {weights_fingerprint(GOLDEN)})'
+    assert f'serving {served}' in g.log.text('info')
+    assert g.wait_for(lambda: g.status('inference') is not None)
+    assert _values(g.status('inference'))['weights'] == served
+
+
+def test_a_params_file_section_that_does_not_apply_under_a_namespace_fails_configure(
+        graph, tmp_path):
+    """ROS applies `molmobot_policy:` only to the node without a namespace: under /robot1
+    the file would be ignored and the node run on its defaults."""
+    plain = tmp_path / 'plain.yaml'
+    plain.write_text('molmobot_policy:\n  ros__parameters:\n    chunk_period: 0.2\n')
+    g = graph('molmobot_policy', namespace='/robot1', allow_random_weights=True,
+              argv=['node', '--ros-args', '--params-file', str(plain)])
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    errors = g.log.text('error')
+    assert f'parameter file {plain}' in errors and "'/robot1/molmobot_policy'" in errors
+    assert "['molmobot_policy']" in errors and '/robot1/molmobot_policy:' in errors
+
+
+def test_a_params_file_with_the_namespaced_section_configures(graph, tmp_path):
+    named = tmp_path / 'named.yaml'
+    named.write_text('/robot1/molmobot_policy:\n  ros__parameters:\n    chunk_period: 0.2\n')
+    g = graph('molmobot_policy', namespace='/robot1', allow_random_weights=True,
+              argv=['node', '--ros-args', '--params-file', str(named)])
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS, g.log.text()
+
+
+# ------------------------------------------------------------------ 2. no jump
+def test_the_first_point_is_within_the_velocity_limit_of_the_measured_state(graph):
+    """The arm is measured 2 rad from the plan (0): the first published point is within
+    max_joint_velocity * (its time - the measurement) of the arm, later points ramp towards
+    the plan at that speed; an action joint never measured is named once in the log."""
+    velocity = 0.5
+    g = graph('safety_first_point', allow_random_weights=True,
+              max_joint_velocity=[velocity], action_joints=JOINTS + ['never_measured'])
+    g.positions = {n: 2.0 for n in JOINTS}
+    g.start()
+    assert g.wait_for(lambda: len(g.trajectories) >= 3 and len(g.infos) >= 3), g.log.text()
+    with g.lock:
+        msg, info = g.trajectories[0], {kv.key: kv.value for kv in g.infos[0].values}
+    points = np.array([p.positions for p in msg.points])
+    # the measurement the limiter used is not older than the observation's
+    allowance = velocity * max(stamp_seconds(msg.header.stamp)
+                               - float(info[ChunkInfo.OBSERVATION_STAMP]), CONTROL_PERIOD)
+    assert allowance < 1.0
+    assert np.all(np.abs(points[0, :7] - 2.0) <= allowance + 1e-6)
+    assert np.all(np.diff(points[:, :7], axis=0) <= 0.0)                      # towards 0
+    assert np.all(np.abs(np.diff(points[:, :7], axis=0)) <= velocity * CONTROL_PERIOD + 1e-6)
+    assert float(info[ChunkInfo.START_OFFSET]) == pytest.approx(2.0, abs=1e-4)
+    assert int(info[ChunkInfo.VELOCITY_LIMITED]) > 0
+    warnings = g.log.text('warning')
+    assert warnings.count("action joints ['never_measured'] have no position") == 1
+    assert g.wait_for(lambda: int(_values(g.status('output'))['velocity_limited']) > 0)
+
+
+# ------------------------------------------------------------------ 5. the first lead
+def test_the_first_lead_is_the_engines_warm_inference_time(graph):
+    class Timed(_Engine):
+        inference_seconds = 0.05
+    g = graph('safety_lead', engine=Timed, allow_random_weights=True)
+    g.start()
+    assert 'first lead 60 ms' in g.log.text('info')
+    assert g.wait_for(lambda: g.status('inference') is not None)
+    assert _values(g.status('inference'))['lead_ms'] == '60.0'
+
+
+# ------------------------------------------------------------------ 6. never silent
+def test_a_non_finite_joint_state_makes_the_output_an_error_naming_the_joint(graph):
+    g = graph('safety_nan', allow_random_weights=True, output_error_periods=2)
+    g.positions['joint_3'] = math.nan
+    g.start()
+    assert g.wait_for(lambda: g.status('output') is not None
+                      and _level(g.status('output')) == DiagnosticStatus.ERROR), g.log.text()
+    message = g.status('output').message
+    assert "['joint_3']" in message and 'no commands' in message
+    joint_state = g.status(f'joint state {g.joint_states}')
+    assert "['joint_3']" in joint_state.message and _level(joint_state) != DiagnosticStatus.OK
+    assert g.trajectories == []
+
+
+def test_a_camera_with_an_unsupported_encoding_goes_error_after_max_image_age(graph):
+    g = graph('safety_encoding', allow_random_weights=True)
+    g.encodings[g.cameras[1]] = 'yuv422'
+    g.start()
+
+    def camera():
+        return g.status(f'camera {g.cameras[1]}')
+    assert g.wait_for(lambda: camera() is not None and 'yuv422' in camera().message)
+    assert g.wait_for(lambda: _level(camera()) == DiagnosticStatus.ERROR), camera().message
+    assert 'max_image_age' in camera().message
+    assert g.wait_for(lambda: _level(g.status('output')) == DiagnosticStatus.ERROR)
+    assert 'yuv422' in g.status('output').message
+
+
+# ------------------------------------------------------------------ compressed cameras
+def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the_topic(graph):
+    """camera_transports: compressed -> the node subscribes <topic>/compressed
+    (sensor_msgs/CompressedImage); a truncated jpeg is refused and named, the node keeps
+    running and publishes again once the frames are whole."""
+    import cv2
+    from sensor_msgs.msg import CompressedImage
+    g = graph('safety_compressed', allow_random_weights=True,
+              camera_transports=['compressed'])
+    ok, jpeg = cv2.imencode('.jpg', np.zeros((16, 16, 3), np.uint8))
+    assert ok
+    corrupt = {'on': False}
+    publishers = [g.peer.create_publisher(CompressedImage, f'{t}/compressed',
+                                          qos_profile_sensor_data) for t in g.cameras]
+
+    def publish():
+        stamp = g.peer.get_clock().now().to_msg()
+        for k, publisher in enumerate(publishers):
+            data = jpeg.tobytes()[:40] if corrupt['on'] and k == 1 else jpeg.tobytes()
+            msg = CompressedImage(format='rgb8; jpeg compressed bgr8', data=data)
+            msg.header.stamp = stamp
+            publisher.publish(msg)
+    g.peer.create_timer(0.05, publish)
+    g.start()
+    assert g.wait_for(lambda: len(g.trajectories) >= 2), g.log.text()
+    assert f'{g.cameras[0]}/compressed' in g.log.text('info')          # the active line
+    corrupt['on'] = True
+    topic = f'{g.cameras[1]}/compressed'
+    assert g.wait_for(lambda: g.status(f'camera {topic}') is not None
+                      and 'corrupt or truncated' in g.status(f'camera {topic}').message)
+    assert f"compressed image on '{topic}'" in g.log.text('warning')   # the skip, named
+    corrupt['on'] = False
+    count = len(g.trajectories)
+    assert g.wait_for(lambda: len(g.trajectories) > count + 1), g.log.text()
