@@ -295,7 +295,8 @@ def node_parameters(args, camera_topics: list[str], joints: list[str]) -> dict:
         'instruction': args.instruction,
         'chunk_period': args.chunk_period, 'control_period': args.control_period,
         'max_image_age': args.max_image_age, 'max_state_age': args.max_state_age,
-        'model': args.model, 'device': args.device, 'dtype': args.dtype, 'seed': 0,
+        'model': args.model, 'allow_random_weights': True,     # the random-weight model
+        'device': args.device, 'dtype': args.dtype, 'seed': 0,
         'flow_steps': args.flow_steps, 'compile': args.compile,
         'cuda_graphs': args.cuda_graphs, 'quantize': args.quantize,
         'diagnostics_period': 1.0, 'debug_timing': True,
