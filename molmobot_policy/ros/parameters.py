@@ -29,11 +29,13 @@ DEFAULT_MAX_JOINT_VELOCITY = 1.5    # rad/s: below common arm limits (Franka 2.2
                                     # actuators: 0.6-0.8 rad/s)
 
 
-def _descriptor(description: str, type_: int, read_only: bool = True,
-                float_range: tuple[float, float] | None = None,
-                int_range: tuple[int, int] | None = None,
-                constraints: str = '', dynamic: bool = False) -> ParameterDescriptor:
-    """dynamic: leave the parameter's type open (on_configure converts the value) where rclpy
+def descriptor(description: str, type_: int = ParameterType.PARAMETER_NOT_SET,
+               read_only: bool = True,
+               float_range: tuple[float, float] | None = None,
+               int_range: tuple[int, int] | None = None,
+               constraints: str = '', dynamic: bool = False) -> ParameterDescriptor:
+    """A ParameterDescriptor (read-only unless said, with its ranges); the node's and the sim
+    robot's. dynamic: leave the parameter's type open (on_configure converts the value) where rclpy
     would otherwise refuse what a user writes: a list whose default is empty (rclpy infers
     BYTE_ARRAY from [] and then refuses `buckets: [448, 512]`), or a string whose values
     include on / off (YAML and `-p name:=on` read those as booleans)."""
@@ -55,136 +57,136 @@ _DA = ParameterType.PARAMETER_DOUBLE_ARRAY
 
 # name: (default, descriptor). read_only where a change after configure/activate is unsafe.
 PARAMETERS = {
-    'autostart': (True, _descriptor('run configure + activate at start-up', _B)),
-    'camera_topics': (DEFAULT_CAMERAS, _descriptor(
+    'autostart': (True, descriptor('run configure + activate at start-up', _B)),
+    'camera_topics': (DEFAULT_CAMERAS, descriptor(
         'sensor_msgs/Image topics in model image order (camera k -> "Image k+1"); at most the '
         "model's max_images", _SA)),
-    'camera_qos': ('sensor_data', _descriptor(
+    'camera_qos': ('sensor_data', descriptor(
         'QoS of the camera subscriptions', _S, constraints="'sensor_data' (best effort, keep "
         "last 5) or 'reliable' (reliable, keep last 1)")),
-    'camera_transports': (['raw'], _descriptor(
+    'camera_transports': (['raw'], descriptor(
         "per camera topic 'raw' (sensor_msgs/Image on the topic) or 'compressed' "
         "(sensor_msgs/CompressedImage, jpeg or png, on <topic>/compressed, as image_transport "
         'names it); one value: every camera', _SA)),
-    'joint_state_topic': ('/joint_states', _descriptor('sensor_msgs/JointState topic', _S)),
-    'joint_names': (DEFAULT_JOINTS, _descriptor(
+    'joint_state_topic': ('/joint_states', descriptor('sensor_msgs/JointState topic', _S)),
+    'joint_names': (DEFAULT_JOINTS, descriptor(
         'joints making up the state vector, in order (matched by name)', _SA)),
-    'action_joint_names': (DEFAULT_JOINTS, _descriptor(
+    'action_joint_names': (DEFAULT_JOINTS, descriptor(
         'JointTrajectory joint_names; action dim k drives joint k', _SA)),
-    'instruction': ('', _descriptor('task text given to the model; may change at run time',
+    'instruction': ('', descriptor('task text given to the model; may change at run time',
                                     _S, read_only=False)),
-    'control_period': (0.1, _descriptor(
+    'control_period': (0.1, descriptor(
         'seconds between consecutive actions of a chunk', _D, float_range=(0.001, 10.0))),
-    'chunk_period': (1.0, _descriptor(
+    'chunk_period': (1.0, descriptor(
         'seconds between published chunks (the policy period)', _D,
         float_range=(0.01, 60.0))),
-    'smoothing': ('none', _descriptor(
+    'smoothing': ('none', descriptor(
         'joining a new chunk to the previous one (timing.ChunkStitcher)', _S,
         constraints="'none' or 'linear' (cross-fade over the overlap)")),
-    'max_step': ([], _descriptor(
+    'max_step': ([], descriptor(
         'largest change per joint between consecutive points, robot units (rad); empty: no '
         'limit, one value: all joints, else one per action joint', _DA, dynamic=True)),
-    'max_image_age': (0.5, _descriptor(
+    'max_image_age': (0.5, descriptor(
         'seconds; a camera whose newest header stamp is older is stale and the tick skipped',
         _D, read_only=False, float_range=(0.0, 3600.0))),
-    'max_state_age': (0.5, _descriptor(
+    'max_state_age': (0.5, descriptor(
         'seconds; same for the joint state', _D, read_only=False, float_range=(0.0, 3600.0))),
-    'max_future_stamp': (0.05, _descriptor(
+    'max_future_stamp': (0.05, descriptor(
         'seconds; an input whose header stamp is further ahead of the node clock is refused '
         '(clocks not synchronized) and never used', _D, float_range=(0.0, 60.0))),
-    'max_joint_velocity': ([DEFAULT_MAX_JOINT_VELOCITY], _descriptor(
+    'max_joint_velocity': ([DEFAULT_MAX_JOINT_VELOCITY], descriptor(
         'rad/s (robot units/s) per action joint, one value for all or one per joint, each > 0 '
         '(.inf: none): the first point of every chunk moves at most this fast from the '
         'measured /joint_states position, each later point from the one before, so a plan '
         'far from the arm is reached along a ramp; default 1.5: below common arm limits, '
         "above what the demo's arm moves", _DA, dynamic=True)),
-    'joint_position_min': ([], _descriptor(
+    'joint_position_min': ([], descriptor(
         'per action joint lower position limit, robot units (rad); every published point is '
         'clipped to it and clipping is counted on /diagnostics; empty: none, one value: all '
         'joints, -.inf: none for that joint', _DA, dynamic=True)),
-    'joint_position_max': ([], _descriptor(
+    'joint_position_max': ([], descriptor(
         'per action joint upper position limit, as joint_position_min', _DA, dynamic=True)),
-    'model': ('tiny', _descriptor('model preset, used when checkpoint_path is empty', _S)),
-    'checkpoint_path': ('', _descriptor(
+    'model': ('tiny', descriptor('model preset, used when checkpoint_path is empty', _S)),
+    'checkpoint_path': ('', descriptor(
         'upstream checkpoint directory (config.yaml + model.pt or *.safetensors) or weight '
         'file; empty: random weights of the preset `model`, only with allow_random_weights',
         _S)),
-    'allow_random_weights': (False, _descriptor(
+    'allow_random_weights': (False, descriptor(
         'serve random weights (preset `model`, `seed`) when checkpoint_path is empty: tests '
         'and the demo; false: configure fails without a checkpoint', _B)),
-    'tokenizer_path': ('', _descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
+    'tokenizer_path': ('', descriptor('Qwen tokenizer.json (empty: beside the checkpoint)',
                                        _S)),
-    'tokenizer': ('auto', _descriptor(
+    'tokenizer': ('auto', descriptor(
         'which tokenizer serves the model', _S, constraints="'auto' (tokenizer_path or the "
         'tokenizer.json beside the checkpoint; the built-in tiny one for random weights), '
         "'tiny' (the built-in one, also for a checkpoint trained with it) or 'file'")),
-    'norm_stats_key': ('', _descriptor(
+    'norm_stats_key': ('', descriptor(
         "dataset key of the checkpoint's normalization stats (stats_by_repo), e.g. "
         "'synthmanip'; empty: the checkpoint's default_repo_id", _S)),
-    'gripper_index': (-1, _descriptor(
+    'gripper_index': (-1, descriptor(
         'action dimension binarized as the gripper command (-1: off)', _I,
         int_range=(-1, 1023))),
-    'gripper_threshold': (0.0, _descriptor(
+    'gripper_threshold': (0.0, descriptor(
         'robot units; gripper action >= threshold -> gripper_closed, else gripper_open', _D)),
-    'gripper_open': (0.0, _descriptor('command written for an open gripper, robot units', _D)),
-    'gripper_closed': (1.0, _descriptor('command written for a closed gripper, robot units',
+    'gripper_open': (0.0, descriptor('command written for an open gripper, robot units', _D)),
+    'gripper_closed': (1.0, descriptor('command written for a closed gripper, robot units',
                                         _D)),
-    'device': ('cpu', _descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
-    'dtype': ('float32', _descriptor('serving dtype of the weights', _S,
+    'device': ('cpu', descriptor("torch device, e.g. 'cpu', 'cuda', 'cuda:1'", _S)),
+    'dtype': ('float32', descriptor('serving dtype of the weights', _S,
                                      constraints="'float32', 'bfloat16' or 'float16'")),
-    'seed': (0, _descriptor('seed of random weights and flow noise', _I,
+    'seed': (0, descriptor('seed of random weights and flow noise', _I,
                             int_range=(0, 2**31 - 1))),
-    'flow_steps': (0, _descriptor("Euler flow steps (0: the model config's)", _I,
+    'flow_steps': (0, descriptor("Euler flow steps (0: the model config's)", _I,
                                   int_range=(0, 1000))),
-    'compile': (False, _descriptor('torch.compile the query', _B)),
-    'cuda_graphs': (False, _descriptor('capture each padding bucket as a CUDA graph', _B)),
-    'quantize': ('none', _descriptor('LLM Linear quantization', _S,
+    'compile': (False, descriptor('torch.compile the query', _B)),
+    'cuda_graphs': (False, descriptor('capture each padding bucket as a CUDA graph', _B)),
+    'quantize': ('none', descriptor('LLM Linear quantization', _S,
                                      constraints="'none', 'fp8', 'fp8-rowwise', 'fp8-tensor'")),
-    'overlong': ('error', _descriptor(
+    'overlong': ('error', descriptor(
         'a prompt longer than the largest bucket', _S,
         constraints="'error' (refuse the observation) or 'truncate' (cut words from the end "
                     "of the instruction)")),
-    'vit_fp32_attention': (False, _descriptor(
+    'vit_fp32_attention': (False, descriptor(
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
         'ViT on an H200)', _B)),
-    'fused_action_expert': ('auto', _descriptor(
+    'fused_action_expert': ('auto', descriptor(
         "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
         'float16)', _S,
         constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / "
                     "true (required: configure fails where it cannot serve), 'off' / false",
         dynamic=True)),
-    'buckets': ([], _descriptor(
+    'buckets': ([], descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
-    'output_topic': ('~/joint_trajectory', _descriptor(
+    'output_topic': ('~/joint_trajectory', descriptor(
         'trajectory_msgs/JointTrajectory output topic', _S)),
-    'publish_float_array': (False, _descriptor(
+    'publish_float_array': (False, descriptor(
         'also publish std_msgs/Float32MultiArray (layout: action x joint) on ~/actions', _B)),
-    'gc_freeze': (True, _descriptor(
+    'gc_freeze': (True, descriptor(
         'after configure, move the start-up heap (model, compiled code) out of the garbage '
         "collector's reach (gc.freeze): full collections then take ms, not hundreds of ms",
         _B)),
-    'debug_timing': (False, _descriptor(
+    'debug_timing': (False, descriptor(
         "per-chunk delay clues on ~/chunk_info (wake_late_ms, runqueue_wait_ms, "
         'publish_call_ms: where a late publish spent its time; reads /proc per chunk)', _B)),
-    'diagnostics_period': (1.0, _descriptor(
+    'diagnostics_period': (1.0, descriptor(
         'seconds between /diagnostics messages (system clock: they come without /clock too)',
         _D, float_range=(0.05, 60.0))),
-    'output_error_periods': (3, _descriptor(
+    'output_error_periods': (3, descriptor(
         "chunk periods without a published chunk before the 'output' status goes ERROR (WARN "
         'after one)', _I, int_range=(2, 1000))),
-    'diag_min_camera_rate': (1.0, _descriptor(
+    'diag_min_camera_rate': (1.0, descriptor(
         'Hz; a camera or joint state below this rate is WARN', _D, read_only=False,
         float_range=(0.0, 1000.0))),
-    'diag_inference_warn_ms': (500.0, _descriptor(
+    'diag_inference_warn_ms': (500.0, descriptor(
         'ms; inference p99 above this is WARN', _D, read_only=False,
         float_range=(0.0, 1e6))),
-    'diag_inference_error_ms': (1000.0, _descriptor(
+    'diag_inference_error_ms': (1000.0, descriptor(
         'ms; inference p99 above this is ERROR', _D, read_only=False,
         float_range=(0.0, 1e6))),
-    'diag_jitter_warn_ms': (10.0, _descriptor(
+    'diag_jitter_warn_ms': (10.0, descriptor(
         'ms; publish jitter p99 above this is WARN', _D, read_only=False,
         float_range=(0.0, 1e6))),
-    'diag_jitter_error_ms': (50.0, _descriptor(
+    'diag_jitter_error_ms': (50.0, descriptor(
         'ms; publish jitter p99 above this is ERROR', _D, read_only=False,
         float_range=(0.0, 1e6))),
 }

@@ -25,7 +25,6 @@ import time
 
 import cv2
 import rclpy
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy._rclpy_pybind11 import RCLError
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
@@ -33,6 +32,7 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
+from molmobot_policy.ros.parameters import descriptor
 from molmobot_policy.sim import trajectory
 from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
 
@@ -49,16 +49,6 @@ def _seconds(msg_time) -> float:
     return msg_time.sec + msg_time.nanosec * 1e-9
 
 
-def _descriptor(description: str, float_range=None, int_range=None) -> ParameterDescriptor:
-    descriptor = ParameterDescriptor(description=description, read_only=True)
-    if float_range is not None:
-        descriptor.floating_point_range = [
-            FloatingPointRange(from_value=float_range[0], to_value=float_range[1])]
-    if int_range is not None:
-        descriptor.integer_range = [IntegerRange(from_value=int_range[0], to_value=int_range[1])]
-    return descriptor
-
-
 class SimRobotNode(Node):
     """The simulated robot: wiring between `JacoScene`, `sim.trajectory` and ROS topics.
 
@@ -69,46 +59,48 @@ class SimRobotNode(Node):
     def __init__(self):
         super().__init__(NODE_NAME)
         width = self.declare_parameter(
-            'width', 128, _descriptor('image width, pixels', int_range=(16, 4096))).value
+            'width', 128, descriptor('image width, pixels', int_range=(16, 4096))).value
         height = self.declare_parameter(
-            'height', 96, _descriptor('image height, pixels', int_range=(16, 4096))).value
+            'height', 96, descriptor('image height, pixels', int_range=(16, 4096))).value
         camera_rate = self.declare_parameter(
             'camera_rate', 5.0,
-            _descriptor('Hz; all 8 cameras are rendered per tick', (0.1, 100.0))).value
+            descriptor('Hz; all 8 cameras are rendered per tick',
+                       float_range=(0.1, 100.0))).value
         joint_state_rate = self.declare_parameter(
-            'joint_state_rate', 50.0, _descriptor('Hz of /joint_states', (1.0, 1000.0))).value
+            'joint_state_rate', 50.0, descriptor('Hz of /joint_states',
+                                                 float_range=(1.0, 1000.0))).value
         physics_rate = self.declare_parameter(
             'physics_rate', 100.0,
-            _descriptor('Hz of simulation steps (trajectory sampling + physics)',
-                        (1.0, 1000.0))).value
+            descriptor('Hz of simulation steps (trajectory sampling + physics)',
+                       float_range=(1.0, 1000.0))).value
         camera_topics = list(self.declare_parameter(
             'camera_topics', DEFAULT_CAMERA_TOPICS,
-            _descriptor('8 sensor_msgs/Image topics: cam0..cam6 fixed, the last on the '
+            descriptor('8 sensor_msgs/Image topics: cam0..cam6 fixed, the last on the '
                         'wrist')).value)
         frame_ids = list(self.declare_parameter(
             'camera_frame_ids', DEFAULT_CAMERA_FRAME_IDS,
-            _descriptor('header.frame_id of each camera topic, same order')).value)
+            descriptor('header.frame_id of each camera topic, same order')).value)
         joint_state_topic = self.declare_parameter(
             'joint_state_topic', '/joint_states',
-            _descriptor('sensor_msgs/JointState output topic')).value
+            descriptor('sensor_msgs/JointState output topic')).value
         trajectory_topic = self.declare_parameter(
             'trajectory_topic', '/molmobot_policy/joint_trajectory',
-            _descriptor('trajectory_msgs/JointTrajectory input topic')).value
+            descriptor('trajectory_msgs/JointTrajectory input topic')).value
         max_joint_velocity = self.declare_parameter(
             'max_joint_velocity', 0.0,
-            _descriptor('rad/s speed limit for every joint; 0 = the Jaco actuator limits '
-                        '(0.63 rad/s joints 1-3, 0.84 rad/s joints 4-6, 5 rad/s fingers)',
-                        (0.0, 100.0))).value
+            descriptor('rad/s speed limit for every joint; 0 = the Jaco actuator limits '
+                       '(0.63 rad/s joints 1-3, 0.84 rad/s joints 4-6, 5 rad/s fingers)',
+                       float_range=(0.0, 100.0))).value
         transport = self.declare_parameter(
-            'camera_transport', 'raw', _descriptor(
+            'camera_transport', 'raw', descriptor(
                 "'raw' (sensor_msgs/Image on each camera topic) or 'compressed' "
                 '(sensor_msgs/CompressedImage, jpeg, on <topic>/compressed)')).value
         self._jpeg_quality = self.declare_parameter(
-            'jpeg_quality', 90, _descriptor('jpeg quality of compressed images',
-                                            int_range=(1, 100))).value
+            'jpeg_quality', 90, descriptor('jpeg quality of compressed images',
+                                           int_range=(1, 100))).value
         seed = self.declare_parameter(
-            'seed', 0, _descriptor('seed of the cubes\' start positions',
-                                   int_range=(0, 2**31 - 1))).value
+            'seed', 0, descriptor('seed of the cubes\' start positions',
+                                  int_range=(0, 2**31 - 1))).value
         if len(camera_topics) != NUM_CAMERAS or len(frame_ids) != NUM_CAMERAS:
             raise ValueError(f'camera_topics and camera_frame_ids need {NUM_CAMERAS} entries, '
                              f'got {len(camera_topics)} and {len(frame_ids)}')
