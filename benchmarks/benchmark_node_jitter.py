@@ -35,6 +35,11 @@ Targets (issue 5): jitter p99 <= 2 ms, max <= 5 ms; zero deadline misses when th
 period exceeds p99 inference by 20 %. Exits 1 if no chunk arrived, else 0 (targets are
 reported, not enforced).
 
+Beside the JSON (`<out stem>_latency_timeline.png`, `<out stem>_jitter_histogram.png`, paths
+printed at the end): inference, observation age and publish jitter of every measured chunk
+over time, and the jitter's histogram with the targets (molmobot_policy.sim.plots; needs
+matplotlib, requirements/demo.txt: without it the run says so and writes only the JSON).
+
 Full size on the GPU machine (see benchmarks/h200_node_jitter.sh):
     python benchmarks/benchmark_node_jitter.py --model molmobot-4b-8cam --device cuda \\
         --dtype bfloat16 --compile --cuda-graphs --buckets auto --chunk-period 0.15 \\
@@ -617,7 +622,32 @@ def run_benchmark(args, recorder, processes, out) -> int:
     print_table(run)
     common.write_json(out, run)
     print(f'wrote {out}')
+    for path in write_plots(out, chunks, run['config']):
+        print(f'wrote {path}')
     return 0 if recorder.chunk_count() > 0 else 1
+
+
+def write_plots(out: Path, chunks: list[dict], c: dict) -> list[Path]:
+    """The latency timeline and jitter histogram of the measured chunks (their ~/chunk_info
+    values) beside `out`; [] (said why) without matplotlib."""
+    try:
+        from molmobot_policy.sim import plots
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        print(f'no plots ({error}): pip install matplotlib (requirements/demo.txt)')
+        return []
+    what = (f"node jitter benchmark: {c['model']} on {c['device']} ({c['dtype']}, compile="
+            f"{c['compile']}, cuda_graphs={c['cuda_graphs']}), {c['cameras']} cameras x "
+            f"{c['camera_rate']:g} Hz {c['height']}x{c['width']}, chunk_period "
+            f"{c['chunk_period']:g} s")
+    targets = {'target p99 2 ms': 2.0, 'target max 5 ms': 5.0}
+    period_ms = 1e3 * c['chunk_period']
+    return [plots.latency_timeline(out.with_name(f'{out.stem}_latency_timeline.png'), chunks,
+                                   what, {f'chunk_period {period_ms:g} ms': period_ms},
+                                   targets),
+            plots.jitter_histogram(out.with_name(f'{out.stem}_jitter_histogram.png'),
+                                   [float(ch['publish_jitter_ms']) for ch in chunks],
+                                   f'publish jitter per chunk: {what}', targets)]
 
 
 if __name__ == '__main__':

@@ -5,8 +5,15 @@ Starts two subprocesses, `molmobot_policy.sim.robot_node` (config/sim.yaml) and
 (ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, ROS_DOMAIN_ID from the environment, MUJOCO_GL=egl,
 FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_images.xml unless set),
 listens to the published chunks (`/molmobot_policy/joint_trajectory`, the per-chunk
-`/molmobot_policy/chunk_info`) and `/diagnostics`, prints one line per chunk and a summary,
-then stops both processes (SIGINT, then SIGKILL after a timeout).
+`/molmobot_policy/chunk_info`), `/diagnostics`, `/joint_states` and the cameras, prints one
+line per chunk, stops both processes (SIGINT, then SIGKILL after a timeout), prints a summary
+and writes PNGs (`sim.plots`) to `--plots-dir` (default `demo_output/` in the current
+directory), naming each path at the end:
+- latency_timeline.png: inference, observation age and publish jitter of each chunk;
+- jitter_histogram.png: the publish jitter's distribution (p50, p99, max);
+- joint_trajectories.png: per joint, the published JointTrajectory points against the sim
+  robot's /joint_states;
+- camera_frames.png: the last frame of each camera, with the instruction.
 
     python -m molmobot_policy.demo --duration 30
     python -m molmobot_policy.demo --compressed --chunks 3   # jpeg cameras; stop after 3 chunks
@@ -28,11 +35,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
-from molmobot_policy.ros.messages import ChunkInfo
+from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 10.0
+NODE_FQN = '/molmobot_policy'
+PLOTS = {   # file name: what it shows
+    'latency_timeline.png': 'inference, observation age and publish jitter per chunk',
+    'jitter_histogram.png': 'publish jitter distribution',
+    'joint_trajectories.png': 'planned (JointTrajectory) vs executed (/joint_states) per joint',
+    'camera_frames.png': 'the last frame of each camera, with the instruction'}
 # Fast DDS profile with a shared-memory segment that holds ~1 MB camera images; without it
 # rmw_fastrtps_cpp loses most of them (README "Large images over DDS")
 DDS_PROFILE = 'fastdds_large_images.xml'
@@ -70,6 +84,24 @@ def _stop(process: subprocess.Popen, name: str) -> None:
         process.wait()
 
 
+def policy_settings(params_file: Path) -> dict:
+    """The policy node's parameters that the pictures name, from its parameter file (every
+    section ROS applies to /molmobot_policy, in order), else the node's defaults."""
+    from molmobot_policy.ros.param_files import section_applies
+    from molmobot_policy.ros.parameters import PARAMETERS
+    names = ('instruction', 'camera_topics', 'camera_transports', 'chunk_period', 'model',
+             'device', 'dtype', 'checkpoint_path', 'diag_inference_warn_ms',
+             'diag_jitter_warn_ms')
+    settings = {name: PARAMETERS[name][0] for name in names}
+    with open(params_file) as f:
+        sections = yaml.safe_load(f) or {}
+    for section, body in sections.items():
+        if section_applies(str(section), NODE_FQN) and isinstance(body, dict):
+            given = body.get('ros__parameters') or {}
+            settings.update({k: v for k, v in given.items() if k in settings})
+    return settings
+
+
 def _percentiles(values: list[float]) -> str:
     if not values:
         return 'n/a'
@@ -78,25 +110,60 @@ def _percentiles(values: list[float]) -> str:
 
 
 class Monitor:
-    """Subscribes to the policy's outputs and /diagnostics; prints one line per chunk."""
+    """Subscribes to the policy's outputs, /diagnostics, /joint_states and the cameras
+    (`camera_topics`: (topic, compressed?) each); prints one line per chunk and keeps what
+    the pictures show."""
 
-    def __init__(self, node) -> None:
+    def __init__(self, node, camera_topics: list[tuple[str, bool]] = ()) -> None:
         from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+        from rclpy.qos import qos_profile_sensor_data
+        from sensor_msgs.msg import CompressedImage, Image, JointState
         from trajectory_msgs.msg import JointTrajectory
         self.lock = threading.Lock()
         self.trajectories = 0
         self.inference_ms: list[float] = []
         self.jitter_ms: list[float] = []
         self.diagnostics_levels: dict[str, int] = {}
+        self.chunks: list[dict] = []            # ~/chunk_info values
+        self.planned: list[tuple[list[str], np.ndarray, np.ndarray]] = []
+        self.joint_names: list[str] = []        # of the first /joint_states
+        self.joint_times: list[float] = []
+        self.joint_positions: list[list[float]] = []
+        self.camera_topics = [topic for topic, _ in camera_topics]
+        self.camera_messages: dict[str, object] = {}
         node.create_subscription(JointTrajectory, '/molmobot_policy/joint_trajectory',
                                  self._on_trajectory, 10)
         node.create_subscription(DiagnosticStatus, '/molmobot_policy/chunk_info',
                                  self._on_chunk_info, 10)
         node.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
+        node.create_subscription(JointState, '/joint_states', self._on_joint_state,
+                                 qos_profile_sensor_data)
+        for topic, compressed in camera_topics:
+            node.create_subscription(CompressedImage if compressed else Image, topic,
+                                     lambda msg, topic=topic: self._on_image(topic, msg),
+                                     qos_profile_sensor_data)
 
     def _on_trajectory(self, msg) -> None:
+        start = stamp_seconds(msg.header.stamp)
+        times = np.array([start + stamp_seconds(p.time_from_start) for p in msg.points])
+        positions = np.array([list(p.positions) for p in msg.points], dtype=np.float64)
         with self.lock:
             self.trajectories += 1
+            if len(times) and positions.shape == (len(times), len(msg.joint_names)):
+                self.planned.append((list(msg.joint_names), times, positions))
+
+    def _on_joint_state(self, msg) -> None:
+        with self.lock:
+            if not self.joint_names:
+                self.joint_names = list(msg.name)
+            by_name = dict(zip(msg.name, msg.position))
+            if all(name in by_name for name in self.joint_names):
+                self.joint_times.append(stamp_seconds(msg.header.stamp))
+                self.joint_positions.append([by_name[name] for name in self.joint_names])
+
+    def _on_image(self, topic: str, msg) -> None:
+        with self.lock:
+            self.camera_messages[topic] = msg       # decoded once, for the contact sheet
 
     def count(self) -> int:
         """Trajectories received so far."""
@@ -108,6 +175,7 @@ class Monitor:
         key = ChunkInfo
         inference, jitter = float(values[key.INFERENCE_MS]), float(values[key.PUBLISH_JITTER_MS])
         with self.lock:
+            self.chunks.append(values)
             self.inference_ms.append(inference)
             self.jitter_ms.append(jitter)
             count = len(self.inference_ms)
@@ -135,6 +203,74 @@ class Monitor:
                          if not_ok else 'none')]
         return '\n'.join('demo: ' + line for line in lines)
 
+    def last_frames(self) -> list:
+        """The newest frame of each camera, uint8 (H, W, 3) RGB, or None (none came, or it
+        could not be decoded)."""
+        from molmobot_policy.ros.codec import decode_image
+        frames = []
+        with self.lock:
+            messages = [self.camera_messages.get(topic) for topic in self.camera_topics]
+        for topic, msg in zip(self.camera_topics, messages):
+            try:
+                frames.append(None if msg is None else decode_image(msg, topic))
+            except ValueError as error:
+                print(f'demo: camera frame for the picture: {error}')
+                frames.append(None)
+        return frames
+
+    def write_plots(self, folder: Path, settings: dict) -> list[Path]:
+        """The `PLOTS` PNGs in `folder` (created) from what was received; returns their
+        paths. Raises ImportError without matplotlib (requirements/demo.txt)."""
+        from molmobot_policy.sim import plots
+        served = (f"checkpoint {settings['checkpoint_path']}" if settings['checkpoint_path']
+                  else f"random weights, preset {settings['model']}")
+        what = (f"make demo: {served} on {settings['device']} ({settings['dtype']}), "
+                f"{len(self.camera_topics)} cameras, chunk_period {settings['chunk_period']} s")
+        period_ms = 1e3 * float(settings['chunk_period'])
+        frames = self.last_frames()
+        with self.lock:
+            chunks, planned = list(self.chunks), list(self.planned)
+            names = list(self.joint_names)
+            times = np.array(self.joint_times)
+            positions = np.array(self.joint_positions).reshape(len(times), len(names))
+        jitter = [float(c[ChunkInfo.PUBLISH_JITTER_MS]) for c in chunks]
+        jitter_warn = {f"/diagnostics WARN (diag_jitter_warn_ms "
+                       f"{settings['diag_jitter_warn_ms']:g} ms)":
+                       float(settings['diag_jitter_warn_ms'])}
+        folder = Path(folder)
+        paths = [
+            plots.latency_timeline(
+                folder / 'latency_timeline.png', chunks, what,
+                {f'chunk_period {period_ms:.0f} ms': period_ms,
+                 f"/diagnostics WARN (diag_inference_warn_ms "
+                 f"{settings['diag_inference_warn_ms']:g} ms)":
+                 float(settings['diag_inference_warn_ms'])}, jitter_warn),
+            plots.jitter_histogram(folder / 'jitter_histogram.png', jitter,
+                                   f'publish jitter per chunk: {what}', jitter_warn),
+            plots.joint_trajectories(
+                folder / 'joint_trajectories.png', planned, names, times, positions,
+                f'planned (published JointTrajectory points) vs executed (sim /joint_states): '
+                f'{len(planned)} chunks'),
+            plots.contact_sheet(folder / 'camera_frames.png', frames, self.camera_topics,
+                                str(settings['instruction']),
+                                f'the last frame of each camera: {what}')]
+        return [path.resolve() for path in paths]
+
+
+def _print_plots(monitor: Monitor, folder: Path, settings: dict) -> None:
+    """Writes the pictures and names each one; says why when it cannot."""
+    try:
+        paths = monitor.write_plots(folder, settings)
+    except ImportError as error:
+        print(f'demo: no pictures ({error}): pip install -r requirements/demo.txt')
+        return
+    except OSError as error:
+        print(f'demo: no pictures: cannot write to {folder}: {error}')
+        return
+    print(f'demo: pictures in {Path(folder).resolve()}:')
+    for path in paths:
+        print(f'demo:   {path} ({PLOTS[path.name]})', flush=True)
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,7 +287,13 @@ def main(argv=None) -> int:
                              '<topic>/compressed')
     parser.add_argument('--chunks', type=int, default=0,
                         help='stop once this many chunks arrived (default 0: run --duration)')
+    parser.add_argument('--plots-dir', type=Path, default=Path('demo_output'),
+                        help='folder for the PNGs (default demo_output in the current '
+                             'directory)')
+    parser.add_argument('--no-plots', action='store_true', help='write no PNGs')
     args = parser.parse_args(argv)
+    policy_params = args.policy_params or _config('policy_tiny.yaml')
+    settings = policy_settings(policy_params)
     sim_parameters = ('camera_transport:=compressed',) if args.compressed else ()
     policy_parameters = ('camera_transports:=[compressed]',) if args.compressed else ()
 
@@ -174,15 +316,17 @@ def main(argv=None) -> int:
     processes = []
     rclpy.init()
     node = rclpy.create_node('molmobot_demo')
-    monitor = Monitor(node)
+    from molmobot_policy.ros.parameters import camera_subscriptions
+    if args.compressed:
+        settings['camera_transports'] = ['compressed']
+    monitor = Monitor(node, camera_subscriptions(settings.__getitem__))
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
         processes.append(('sim_robot', _start('molmobot_policy.sim.robot_node',
                                               args.sim_params or _config('sim.yaml'), env,
                                               args.verbose, sim_parameters)))
-        processes.append(('policy', _start('molmobot_policy.ros.node',
-                                           args.policy_params or _config('policy_tiny.yaml'),
+        processes.append(('policy', _start('molmobot_policy.ros.node', policy_params,
                                            env, args.verbose, policy_parameters)))
         print('demo: started sim_robot and the policy node; the first chunk follows the '
               'engine warm-up', flush=True)
@@ -201,6 +345,8 @@ def main(argv=None) -> int:
         for name, process in reversed(processes):
             _stop(process, name)
         print(monitor.summary(), flush=True)
+        if not args.no_plots:
+            _print_plots(monitor, args.plots_dir, settings)
         node.destroy_node()
         rclpy.try_shutdown()
     return 0 if monitor.trajectories >= max(args.chunks, 1) else 1

@@ -314,3 +314,12 @@ def test_an_empty_yaml_list_means_no_position_limits():
     from molmobot_policy.ros.parameters import motion_limiter
     limiter = motion_limiter(_values(joint_position_min=None, joint_position_max=None))
     assert limiter.position_min is None and limiter.position_max is None
+
+
+@pytest.mark.skipif(__import__('torch').version.cuda is not None,
+                    reason='checks the refusal of a CPU-only torch build')
+def test_a_cuda_device_on_a_cpu_build_of_torch_fails_configure_before_the_engine(ros_context):
+    config, errors = _configure(ros_context, 'param_device_cpu_build', device='cuda:1')
+    assert config is None      # refused before any engine (or weight file) is touched
+    assert any("configure failed: device 'cuda:1': this torch" in e
+               and 'is built without CUDA' in e for e in errors), errors

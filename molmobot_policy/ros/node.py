@@ -136,9 +136,10 @@ class PolicyNode(LifecycleNode):
                 list(self._param('action_joint_names')),
                 **{name: self._param(name) for name in CONTRACT_PARAMETERS})
             self.served = served_weights(engine_config, self._param('allow_random_weights'))
-            self.get_logger().info(f"configuring: building engine (serving {self.served}, "
-                                   f"device {engine_config['device']!r}, {len(cameras)} "
-                                   'cameras)')
+            from molmobot_policy.runtime.devices import describe_device  # torch, at configure
+            device = describe_device(engine_config['device'])   # ValueError: cannot serve there
+            self.get_logger().info(f'configuring: building engine (serving {self.served}, '
+                                   f'device {device}, {len(cameras)} cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
             self.contract = contract
             self._check_not_shut_down()

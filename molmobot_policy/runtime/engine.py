@@ -34,6 +34,7 @@ from molmobot_policy.preprocess.prompt import Encoder, TextInputs
 from molmobot_policy.preprocess.tokenizer import check_tokenizer, resolve_tokenizer
 from molmobot_policy.preprocess.transforms import RobotContract
 from molmobot_policy.runtime.config import DTYPES, EngineConfig
+from molmobot_policy.runtime.devices import check_device
 from molmobot_policy.runtime.graphs import StaticRunner
 from molmobot_policy.runtime.serving import prepare_for_serving
 from molmobot_policy.types import ActionChunk, Observation
@@ -95,7 +96,7 @@ class PolicyEngine:
                  contract: RobotContract | None = None, tokenizer: Encoder | None = None
                  ) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = check_device(config.device)    # ValueError naming the device
         self.dtype = DTYPES[config.dtype]
         start = time.perf_counter()
         # load: the config first (a checkpoint's config.yaml), so that the tokenizer, the
