@@ -38,6 +38,7 @@ def _input(stats: TopicStats, **parameters):
     (TopicStats(10.0, 0.1, 5, 'newest frame refused: bad step'), WARN, 'bad step'),
     (TopicStats(10.0, None, 5), ERROR, 'no usable message'),
     (TopicStats(10.0, 0.75, 5), WARN, 'stale: age 0.750 s > 0.500 s'),
+    (TopicStats(0.0, 24.2, 5), ERROR, 'stale: age 24.200 s > 0.500 s for 23.7 s'),
     (TopicStats(0.5, 0.1, 5), WARN, 'rate 0.5 Hz < 1.0 Hz'),
     (TopicStats(10.0, 0.1, 5), OK, 'ok')])
 def test_an_input_is_rated_by_count_problem_age_and_rate(stats, level, words):

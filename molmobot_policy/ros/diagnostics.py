@@ -13,8 +13,9 @@ steady clock, not on ROS time, so that /diagnostics also comes while sim time wa
 The node's rules, one task each (thresholds are node parameters, read at every update):
 - `InputTask`, per camera topic and for the joint state: ERROR without a message (or
   without a usable one) and for a problem (refused stamp, undecodable frame, non-finite
-  joints) lasting longer than the max_*_age parameter, WARN for a newer problem, a stale
-  message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
+  joints) lasting longer than the max_*_age parameter, and for a message stale for longer
+  than that (age > 2 x max_*_age: a dead camera or joint state publisher); WARN for a newer
+  problem, a stale message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
 - `InferenceTask`: WARN / ERROR when the inference p99 exceeds diag_inference_warn_ms /
   diag_inference_error_ms; carries what is served (checkpoint and weights fingerprint, or
   RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
@@ -161,6 +162,9 @@ class InputTask(DiagnosticTask):
             stat.summary(WARN, stats.problem)
         elif stats.age is None:
             stat.summary(ERROR, 'no usable message received')
+        elif stats.age > 2 * max_age:      # stale for longer than its max age: a dead input
+            stat.summary(ERROR, f'stale: age {stats.age:.3f} s > {max_age:.3f} s for '
+                                f'{stats.age - max_age:.1f} s (longer than {self._max_age})')
         elif stats.age > max_age:
             stat.summary(WARN, f'stale: age {stats.age:.3f} s > {max_age:.3f} s')
         elif stats.rate_hz < min_rate:
