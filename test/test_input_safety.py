@@ -161,3 +161,22 @@ def test_refused_names_why_the_last_message_was_not_stored():
     assert sync.add_image(CAMERAS[0], _image(), stamp=10.0, received=10.0)
     assert sync.refused(CAMERAS[0]) == ''
     assert 'max_future_stamp 0.050 s' in sync.stamp_problem(20.0, 10.0)
+
+
+def test_action_joint_positions_that_are_non_finite_or_stale_cannot_anchor_a_chunk():
+    # an action joint outside joint_names: NaN must not pass as "never measured"
+    sync = ObservationSynchronizer(CAMERAS, JOINTS, joint_state_topic='/joint_states',
+                                   action_joint_names=('joint_a', 'joint_c'))
+    sync.add_joint_state(('joint_a', 'joint_b', 'joint_c'), [0.1, 0.2, float('nan')], 10.0, 10.0)
+    assert "non-finite positions for action joints ['joint_c']" in \
+        sync.position_problem(('joint_a', 'joint_c'), now=10.0, max_age=0.5)
+    sync.add_joint_state(('joint_c',), [0.3], 10.1, 10.1)
+    assert sync.position_problem(('joint_a', 'joint_c'), now=10.2, max_age=0.5) == ''
+    assert "stale for action joints ['joint_a']" in \
+        sync.position_problem(('joint_a', 'joint_c'), now=10.55, max_age=0.5)
+
+
+def test_a_never_measured_action_joint_is_no_problem_for_anchoring():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    assert sync.position_problem(('joint_a', 'never_sent'), now=10.0, max_age=0.5) == ''

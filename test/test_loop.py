@@ -394,7 +394,7 @@ def run_limited(chunks: int, measured, velocity: float, **kwargs):
         return np.asarray(measured, float), robot.measured_stamps[-1]
     recorder = Recorder(event, chunks)
     loop = make_loop(clock, event, robot, recorder,
-                     limiter=MotionLimiter(CONTROL_PERIOD, max_velocity=velocity),
+                     limiter=MotionLimiter(max_velocity=velocity),
                      measured=measure, **kwargs)
     loop.run()
     return loop, robot, recorder
@@ -402,8 +402,8 @@ def run_limited(chunks: int, measured, velocity: float, **kwargs):
 
 def test_the_first_point_starts_at_the_measured_state_and_ramps_to_the_plan():
     """The measured arm is 2 rad from the policy's plan (every action = seq = 1): the first
-    published point is within max_velocity * (its time - the measurement's header stamp) of
-    the measurement, each later point within max_velocity * control_period of the one before,
+    published point is within max_velocity * (its time - the publish time) of the
+    measurement (what a JointTrajectoryController has to reach it), each later point within max_velocity * control_period of the one before,
     and once the ramp reaches the plan the points are the plan."""
     velocity = 2.5                              # rad/s: 0.25 rad per control period
     measured = np.array([-1.0, 3.0])            # 2 rad below / above the plan (1.0)
@@ -411,12 +411,14 @@ def test_the_first_point_starts_at_the_measured_state_and_ramps_to_the_plan():
     sent, chunk = robot.sent[0]
     step = velocity * CONTROL_PERIOD
     first = chunk.positions[0]
-    allowance = velocity * max(chunk.times[0] - robot.measured_stamps[0], CONTROL_PERIOD)
+    allowance = velocity * max(chunk.times[0] - sent, 0.0)
     assert allowance < 2.0                                  # the plan is out of reach
-    assert np.allclose(first, measured + [allowance, -allowance])   # limited, towards it
+    # limited, towards it (the limit uses the deadline; `sent` is read a fake-clock tick later)
+    assert np.allclose(first, measured + [allowance, -allowance], atol=1e-3)
     steps = np.abs(np.diff(chunk.positions, axis=0))
     assert np.all(steps <= step + 1e-9)
-    assert np.allclose(chunk.positions[-3:], 1.0)           # reached, then the plan itself
+    reached = int(np.argmax(np.all(np.isclose(chunk.positions, 1.0), axis=1)))
+    assert reached > 0 and np.allclose(chunk.positions[reached:], 1.0)   # then the plan itself
     report = recorder.reports[0]
     assert report.start_offset == pytest.approx(2.0)
     assert report.velocity_limited > 0
@@ -437,8 +439,8 @@ def test_a_joint_without_a_measurement_is_not_anchored():
     loop, robot, recorder = run_limited(1, [np.nan, 0.0], 1.0)
     sent, chunk = robot.sent[0]
     assert chunk.positions[0, 0] == 1.0                      # the plan, not anchored
-    reach = 1.0 * (chunk.times[0] - robot.measured_stamps[0])     # 1 rad/s from 0
-    assert reach < 1.0 and chunk.positions[0, 1] == pytest.approx(reach)
+    reach = 1.0 * (chunk.times[0] - sent)        # 1 rad/s from 0, from the publish on
+    assert reach < 1.0 and chunk.positions[0, 1] == pytest.approx(reach, abs=1e-3)
     assert recorder.reports[0].start_offset == pytest.approx(1.0)
 
 
@@ -536,3 +538,24 @@ def test_waiting_for_the_clock_is_reported_every_few_seconds():
     loop.run()
     assert waits == pytest.approx([CLOCK_REPORT_S, 2 * CLOCK_REPORT_S, 3 * CLOCK_REPORT_S],
                                   abs=2 * POLL_S)
+
+
+def test_a_refused_measurement_skips_the_tick_before_stitching():
+    """`measured` raising ValueError (a non-finite or stale action-joint position) skips the
+    tick with its message: nothing is sent and the stitcher keeps no unpublished chunk."""
+    from molmobot_policy.timing import MotionLimiter
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    stitcher = ChunkStitcher(CONTROL_PERIOD)
+
+    def measure():
+        raise ValueError("joint state /joint_states has non-finite positions for action "
+                         "joints ['j3']")
+    recorder = Recorder(event, 1)
+    loop = make_loop(clock, event, robot, recorder, limiter=MotionLimiter(max_velocity=1.0),
+                     measured=measure, stitcher=stitcher)
+    loop.run()
+    assert robot.sent == []
+    assert recorder.skips and "['j3']" in recorder.skips[0][1]
+    assert stitcher.previous is None

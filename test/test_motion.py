@@ -12,73 +12,82 @@ def _times(n, start=10.0):
     return start + PERIOD * np.arange(n)
 
 
-def test_first_point_within_velocity_limit_of_measured_state():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
+def test_first_point_due_at_once_stays_at_the_measured_state():
+    limiter = MotionLimiter(max_velocity=1.0)
     plan = np.full((16, 2), 2.0)                 # 2 rad away from the arm
-    out = limiter.limit(_times(16), plan, measured=np.zeros(2), measured_time=10.0)
-    # t_0 - t_measured = 0 -> one control period of allowance: 1 rad/s * 0.1 s
-    np.testing.assert_allclose(out.positions[0], [0.1, 0.1])
+    out = limiter.limit(_times(16), plan, measured=np.zeros(2), publish_time=10.0)
+    np.testing.assert_allclose(out.positions[0], [0.0, 0.0])
+    np.testing.assert_allclose(out.positions[1], [0.1, 0.1])   # then 1 rad/s * 0.1 s
     np.testing.assert_allclose(out.start_offset, [2.0, 2.0])
 
 
+def test_first_point_allowance_is_the_time_from_publish_to_that_point():
+    # the fresh-user trial's case: first point 3 ms after the publish, the measurement 1.3 s
+    # old and the plan 1.98 rad away: the controller would have had 3 ms for it
+    limiter = MotionLimiter(max_velocity=1.5)
+    out = limiter.limit(_times(4), np.full((4, 1), 1.98), measured=np.zeros(1),
+                        publish_time=10.0 - 0.003)
+    assert abs(out.positions[0, 0]) <= 1.5 * 0.003 + 1e-12
+
+
 def test_later_points_ramp_at_the_limit_and_converge_to_the_plan():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
+    limiter = MotionLimiter(max_velocity=1.0)
     plan = np.full((30, 1), 2.0)
-    out = limiter.limit(_times(30), plan, measured=np.zeros(1), measured_time=10.0)
+    out = limiter.limit(_times(30), plan, measured=np.zeros(1), publish_time=10.0)
     steps = np.diff(np.concatenate([[0.0], out.positions[:, 0]]))
     assert np.all(steps <= 1.0 * PERIOD + 1e-12)
-    np.testing.assert_allclose(out.positions[:20, 0], 0.1 * np.arange(1, 21))
+    np.testing.assert_allclose(out.positions[:21, 0], 0.1 * np.arange(21))
     np.testing.assert_allclose(out.positions[20:, 0], 2.0)      # reached, then the plan itself
-    assert out.velocity_limited == 19
+    assert out.velocity_limited == 20
 
 
 def test_plan_within_reach_passes_unchanged():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
+    limiter = MotionLimiter(max_velocity=1.0)
     plan = 0.05 * np.arange(8)[:, None] * np.ones((1, 3))
-    out = limiter.limit(_times(8), plan, measured=np.zeros(3), measured_time=10.0)
+    out = limiter.limit(_times(8), plan, measured=np.zeros(3), publish_time=10.0)
     np.testing.assert_array_equal(out.positions, plan)
     assert out.velocity_limited == 0 and out.position_clipped == 0
 
 
-def test_allowance_of_first_point_counts_from_the_measurement_stamp():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
+def test_first_point_later_than_the_publish_may_move_that_much_further():
+    limiter = MotionLimiter(max_velocity=1.0)
     out = limiter.limit(_times(4), np.full((4, 1), 2.0), measured=np.zeros(1),
-                        measured_time=9.7)   # measured 0.3 s before the first point
+                        publish_time=9.7)   # sent 0.3 s before the first point is due
     np.testing.assert_allclose(out.positions[0], [0.3])
 
 
 def test_per_joint_velocity_limits():
-    limiter = MotionLimiter(PERIOD, max_velocity=[1.0, 2.0, np.inf])
-    out = limiter.limit(_times(1), np.full((1, 3), 1.0), measured=np.zeros(3), measured_time=10.0)
+    limiter = MotionLimiter(max_velocity=[1.0, 2.0, np.inf])
+    out = limiter.limit(_times(1), np.full((1, 3), 1.0), measured=np.zeros(3), publish_time=9.9)
     np.testing.assert_allclose(out.positions[0], [0.1, 0.2, 1.0])
 
 
 def test_unmeasured_joint_is_not_anchored_but_rate_limited_within_the_chunk():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
+    limiter = MotionLimiter(max_velocity=1.0)
     plan = np.array([[5.0], [6.0]])
-    out = limiter.limit(_times(2), plan, measured=np.array([np.nan]), measured_time=10.0)
+    out = limiter.limit(_times(2), plan, measured=np.array([np.nan]), publish_time=10.0)
     np.testing.assert_allclose(out.positions[:, 0], [5.0, 5.1])
 
 
 def test_position_limits_clip_every_point_and_are_counted():
-    limiter = MotionLimiter(PERIOD, max_velocity=np.inf, position_min=[-1.0, -np.inf],
+    limiter = MotionLimiter(max_velocity=np.inf, position_min=[-1.0, -np.inf],
                             position_max=[1.0, 0.5])
     plan = np.array([[2.0, 1.0], [0.0, 0.0], [-3.0, 0.7]])
-    out = limiter.limit(_times(3), plan, measured=np.zeros(2), measured_time=10.0)
+    out = limiter.limit(_times(3), plan, measured=np.zeros(2), publish_time=10.0)
     np.testing.assert_allclose(out.positions, [[1.0, 0.5], [0.0, 0.0], [-1.0, 0.5]])
     assert out.position_clipped == 4
 
 
 def test_arm_outside_position_limits_is_ramped_back_not_stepped():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0, position_max=1.0)
+    limiter = MotionLimiter(max_velocity=1.0, position_max=1.0)
     out = limiter.limit(_times(5), np.full((5, 1), 0.0), measured=np.array([1.5]),
-                        measured_time=10.0)
-    np.testing.assert_allclose(out.positions[:, 0], [1.4, 1.3, 1.2, 1.1, 1.0])
+                        publish_time=10.0)
+    np.testing.assert_allclose(out.positions[:, 0], [1.5, 1.4, 1.3, 1.2, 1.1])
 
 
 def test_empty_chunk_passes_through():
-    limiter = MotionLimiter(PERIOD, max_velocity=1.0)
-    out = limiter.limit(np.zeros(0), np.zeros((0, 2)), measured=np.zeros(2), measured_time=1.0)
+    limiter = MotionLimiter(max_velocity=1.0)
+    out = limiter.limit(np.zeros(0), np.zeros((0, 2)), measured=np.zeros(2), publish_time=1.0)
     assert out.positions.shape == (0, 2)
 
 
@@ -91,10 +100,10 @@ def test_empty_chunk_passes_through():
 ])
 def test_bad_limits_are_refused_naming_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        MotionLimiter(PERIOD, **kwargs)
+        MotionLimiter(**kwargs)
 
 
 def test_limit_length_must_match_the_commanded_joints():
-    limiter = MotionLimiter(PERIOD, max_velocity=[1.0, 1.0])
+    limiter = MotionLimiter(max_velocity=[1.0, 1.0])
     with pytest.raises(ValueError, match='max_velocity has 2 values but the chunk commands 3'):
-        limiter.limit(_times(1), np.zeros((1, 3)), measured=np.zeros(3), measured_time=10.0)
+        limiter.limit(_times(1), np.zeros((1, 3)), measured=np.zeros(3), publish_time=10.0)

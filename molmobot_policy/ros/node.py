@@ -319,10 +319,15 @@ class PolicyNode(LifecycleNode):
     def _measured(self):
         """(positions, stamp) of the action joints for the loop's MotionLimiter: the newest
         /joint_states position per joint (nan: never received; the gripper dimension's
-        binarized command is no joint position); logs each never-measured joint once."""
+        binarized command is no joint position); logs each never-measured joint once.
+        Raises ValueError (the loop skips the tick) for a non-finite or stale position."""
         names = list(self._param('action_joint_names'))
-        positions, stamp = self._sync.latest_positions(names)
         gripper = self._param('gripper_index')
+        anchored = [n for k, n in enumerate(names) if k != gripper]
+        problem = self._sync.position_problem(anchored, self._now(), self._param('max_state_age'))
+        if problem:
+            raise ValueError(problem)
+        positions, stamp = self._sync.latest_positions(names)
         unseen = [n for k, n in enumerate(names) if math.isnan(positions[k]) and k != gripper]
         if set(unseen) - self._unanchored:
             self._unanchored.update(unseen)

@@ -335,8 +335,7 @@ def chunk_stitcher(parameter) -> ChunkStitcher:
 
 
 def motion_limiter(parameter) -> MotionLimiter:
-    """The `MotionLimiter` of control_period, max_joint_velocity, joint_position_min and
-    joint_position_max; `parameter(name)` -> its value. The gripper dimension (gripper_index
+    """The `MotionLimiter` of max_joint_velocity, joint_position_min and joint_position_max; `parameter(name)` -> its value. The gripper dimension (gripper_index
     >= 0) has no velocity limit: its binarized open / closed command is no joint position.
     Raises ValueError on a bad value (ParameterError naming the parameter for lists of the
     wrong length or type)."""
@@ -344,7 +343,7 @@ def motion_limiter(parameter) -> MotionLimiter:
     if 0 <= parameter('gripper_index') < len(velocity):
         velocity[parameter('gripper_index')] = np.inf
     try:
-        return MotionLimiter(parameter('control_period'), max_velocity=velocity,
+        return MotionLimiter(max_velocity=velocity,
                              position_min=per_joint(parameter, 'joint_position_min'),
                              position_max=per_joint(parameter, 'joint_position_max'))
     except ParameterError:

@@ -241,6 +241,23 @@ class ObservationSynchronizer:
         stamps = [j[1] for j in found if j is not None]
         return positions, (max(stamps) if stamps else float('nan'))
 
+    def position_problem(self, names: Sequence[str], now: float, max_age: float) -> str:
+        """Why the newest positions of `names` (the action joints) cannot anchor a chunk at
+        `now` (s), or '': a joint received as non-finite, or one older than `max_age` (s).
+        A joint never received is no problem here (it is not anchored)."""
+        with self._lock:
+            found = {n: self._joints.get(n) for n in names}
+        bad = [n for n, j in found.items() if j is not None and not math.isfinite(j[0])]
+        if bad:
+            return (f'joint state {self.joint_state_topic} has non-finite positions for action '
+                    f'joints {bad}')
+        stale = [n for n, j in found.items() if j is not None and now - j[1] > max_age]
+        if stale:
+            age = max(now - found[n][1] for n in stale)
+            return (f'joint state {self.joint_state_topic} is stale for action joints {stale}: '
+                    f'age {age:.3f} s > max_state_age {max_age:.3f} s')
+        return ''
+
     def _note_problem(self, table: dict, topic: str, problem: str, t: float) -> None:
         """Set (`problem` non-empty) or clear `topic`'s entry of `table` (self._refused or
         self._problems), keeping when the topic's problems began. Holds the lock."""

@@ -122,8 +122,9 @@ class PolicyLoop:
             delay clues).
         limiter: a `MotionLimiter` applied to every stitched chunk (None: none).
         measured: () -> (positions, stamp): float (joints,) the latest measured position of
-            each published joint (nan: not anchored) and that measurement's header stamp
-            (s; nan when none); read after stitching, for the limiter.
+            each published joint (nan: never measured, not anchored) and that measurement's
+            header stamp (s; nan when none); read before stitching, for the limiter; a
+            ValueError (a stale or non-finite measurement) skips the tick with its message.
         latency: the `LatencyEstimator` setting the lead (`restart()` at each `run`);
             default `latency_estimator(chunk_period)`.
         debug_timing: measure `DelayClues` per chunk.
@@ -295,13 +296,17 @@ class PolicyLoop:
         # actions before the publish time are dropped; the publish time is the deadline
         # unless inference overran it
         publish_at = max(self._now(), tick.deadline)
+        try:        # before stitching: a refused measurement leaves the stitcher as it was
+            measured = self._measured() if self._limiter is not None else None
+        except ValueError as error:
+            return self._skip(tick, str(error))
         actions = np.asarray(chunk.actions, dtype=np.float64)[:, :self._joints]
         stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
         self.stats.dropped_actions += stitched.dropped
         if len(stitched) == 0:
             return self._skip(tick, f'all {stitched.dropped} actions were in the past at '
                                     'publish time', counted=False)
-        limits = self._limit(stitched)
+        limits = self._limit(stitched, measured, publish_at)
         if limits is not None:
             stitched = replace(stitched, positions=limits.positions)
             self._stitcher.commit(stitched)     # the next chunk joins what was published
@@ -319,13 +324,13 @@ class PolicyLoop:
                                published - called)
         self._record(tick, observation, chunk, stitched, published, delay, limits)
 
-    def _limit(self, stitched: StitchedChunk):
-        """The limiter's `LimitedPoints` for the stitched chunk (None without a limiter)."""
+    def _limit(self, stitched: StitchedChunk, measured, publish_at: float):
+        """The limiter's `LimitedPoints` for the stitched chunk sent at `publish_at` (None
+        without a limiter); `measured` is what `self._measured()` returned."""
         if self._limiter is None:
             return None
-        positions, stamp = self._measured()
-        stamp = float(stamp) if np.isfinite(stamp) else float(stitched.times[0])
-        return self._limiter.limit(stitched.times, stitched.positions, positions, stamp)
+        positions, _ = measured
+        return self._limiter.limit(stitched.times, stitched.positions, positions, publish_at)
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
                 stitched: StitchedChunk, published: float, delay: Optional[DelayClues],

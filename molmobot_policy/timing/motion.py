@@ -5,13 +5,15 @@ command a jump from where the arm is. `ChunkStitcher` joins a chunk to the previ
 `MotionLimiter` then anchors the published points to the MEASURED joint positions (the latest
 /joint_states of the commanded joints) and rate-limits them:
 
-    |p_0 - measured| <= v_max * max(t_0 - t_measured, control_period)
+    |p_0 - measured| <= v_max * max(t_0 - t_publish, 0)
     |p_k - p_(k-1)|  <= v_max * (t_k - t_(k-1))                        k >= 1
 
 per joint, so a plan that starts far from the arm is reached along a ramp at v_max instead of
-in one step, and a plan within reach passes unchanged. The first point's allowance counts from
-the measurement's stamp (the arm may have moved since, at most at v_max) and is at least one
-control period. The plan is clipped to the optional per-joint position limits BEFORE the rate
+in one step, and a plan within reach passes unchanged. The first point's allowance is the time
+the controller has to get there: a JointTrajectoryController moves from where the arm is when
+the trajectory arrives (t_publish) to the first point at its time t_0; a first point due at
+once must be where the arm is. (Counting from the measurement's stamp instead let an old
+measurement or a long lead grant a step of up to 2 rad to be made in milliseconds.) The plan is clipped to the optional per-joint position limits BEFORE the rate
 limit, so the limits hold for every point, except while an arm measured outside them is ramped
 back in (never a step into the range).
 A joint without a measured position (NaN: e.g. a gripper command that is no joint position)
@@ -65,7 +67,6 @@ class MotionLimiter:
     """Anchors published points to the measured joint state; velocity and position limits.
 
     Args:
-        control_period: seconds (> 0, finite) between consecutive points.
         max_velocity: per joint, robot units per second (rad/s for revolute joints): a float
             for every joint or a 1-D sequence (A,); each > 0; inf (or None for all) = no
             limit.
@@ -73,15 +74,12 @@ class MotionLimiter:
             for joints without a limit; min <= max.
 
     Raises:
-        ValueError: control_period not positive and finite; max_velocity not > 0; limits of
+        ValueError: max_velocity not > 0; limits of
             the wrong shape, nan, or min > max.
     """
 
-    def __init__(self, control_period: float, max_velocity: Limit = np.inf,
-                 position_min: Limit = None, position_max: Limit = None) -> None:
-        control_period = finite_seconds('control_period', control_period)
-        if control_period <= 0.0:
-            raise ValueError(f'control_period must be > 0 seconds, got {control_period!r}')
+    def __init__(self, max_velocity: Limit = np.inf, position_min: Limit = None,
+                 position_max: Limit = None) -> None:
         velocity = _per_joint('max_velocity', np.inf if max_velocity is None else max_velocity)
         if not np.all(velocity > 0.0):
             raise ValueError(f'max_velocity must be > 0 (inf: no limit), got {velocity.tolist()}')
@@ -91,7 +89,6 @@ class MotionLimiter:
                 and np.any(lower > upper):
             raise ValueError(f'position_min must be <= position_max per joint, got '
                              f'{lower.tolist()} > {upper.tolist()}')
-        self.control_period = control_period
         self.max_velocity = velocity
         self.position_min = lower
         self.position_max = upper
@@ -102,7 +99,7 @@ class MotionLimiter:
                              f'{joints} joints; give one value per commanded joint')
 
     def limit(self, times: np.ndarray, positions: np.ndarray, measured: np.ndarray,
-              measured_time: float) -> LimitedPoints:
+              publish_time: float) -> LimitedPoints:
         """Limit the points of one chunk.
 
         Args:
@@ -110,19 +107,20 @@ class MotionLimiter:
             positions: float (K, A), robot units: the stitched plan.
             measured: float (A,), the latest measured position of each commanded joint;
                 nan for a joint that has none (not anchored).
-            measured_time: seconds (ROS time), header stamp of that measurement.
+            publish_time: seconds (ROS time), when the chunk is sent (the controller starts
+                from the arm's position then).
 
         Returns:
             LimitedPoints (K == 0 passes through).
 
         Raises:
             ValueError: shapes disagree (with each other or with the limits), non-finite
-                times or positions, measured_time not finite.
+                times or positions, publish_time not finite.
         """
         times = np.asarray(times, dtype=np.float64)
         positions = np.array(positions, dtype=np.float64)
         measured = np.asarray(measured, dtype=np.float64)
-        measured_time = finite_seconds('measured_time', measured_time)
+        publish_time = finite_seconds('publish_time', publish_time)
         if positions.ndim != 2 or times.shape != (positions.shape[0],):
             raise ValueError(f'times (K,) and positions (K, A) expected, got {times.shape} and '
                              f'{positions.shape}')
@@ -146,11 +144,13 @@ class MotionLimiter:
         position_clipped = int(np.count_nonzero(positions != planned))
 
         clipped = positions.copy()
-        first_dt = max(times[0] - measured_time, self.control_period)
+        first_dt = max(times[0] - publish_time, 0.0)
+        unlimited = np.isinf(self.max_velocity)
         reference = measured
         for k in range(len(times)):
             dt = first_dt if k == 0 else times[k] - times[k - 1]
-            step = self.max_velocity * dt
+            with np.errstate(invalid='ignore'):                  # inf * 0 is nan ...
+                step = np.where(unlimited, np.inf, self.max_velocity * dt)  # ... made inf
             anchored = np.isfinite(reference)
             lo = np.where(anchored, reference - step, -np.inf)
             hi = np.where(anchored, reference + step, np.inf)
