@@ -205,7 +205,7 @@ def test_the_output_goes_warn_then_error_while_no_chunk_is_published_naming_the_
     watchdog.published(10.0)
     assert _run(task)[0] == OK
     watchdog.skipped("joint state /joint_states has non-finite positions for joints ['j2']")
-    clock['now'] = 10.7
+    clock['now'] = 10.8                            # > 1.5 periods of 0.5 s: a tick missed
     level, message, _ = _run(task)
     assert level == WARN and "['j2']" in message
     clock['now'] = 11.6

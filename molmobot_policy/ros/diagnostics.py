@@ -23,7 +23,7 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
   loop's counters, sensor-to-publish age and garbage-collector pauses.
 - `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
-  they flow, WARN after one chunk period without one, ERROR after output_error_periods,
+  they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
   naming the last skip reason or the clock (sim time without /clock); the motion limits'
   counts.
 """

@@ -173,7 +173,7 @@ PARAMETERS = {
         _D, float_range=(0.05, 60.0))),
     'output_error_periods': (3, descriptor(
         "chunk periods without a published chunk before the 'output' status goes ERROR (WARN "
-        'after one)', _I, int_range=(2, 1000))),
+        'after 1.5: a tick missed)', _I, int_range=(2, 1000))),
     'diag_min_camera_rate': (1.0, descriptor(
         'Hz; a camera or joint state below this rate is WARN', _D, read_only=False,
         float_range=(0.0, 1000.0))),

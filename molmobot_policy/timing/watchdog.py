@@ -3,8 +3,8 @@
 Safety model (DESIGN.md, "Safety model"): the node is never silent while nothing reaches the
 arm. Whatever the cause (a stale camera, a NaN joint state, no /clock, a refused frame), the
 output status says so: OK while chunks are published on schedule, WARN once no chunk came
-for more than one period, ERROR after `error_periods` periods; the message names the last
-reason a tick was skipped. Plain python; times are float seconds from the caller's clock.
+for more than 1.5 periods (a missed tick), ERROR after `error_periods` periods; the message
+names the last reason a tick was skipped. Plain python; times are float seconds from the caller's clock.
 
 Under sim time the caller's clock (ROS time) can stand still: before the first /clock message
 it reads 0, and it stops when /clock does. Then no period passes on it and `check` alone would
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from .validation import finite_seconds
 
 OK, WARN, ERROR = 'OK', 'WARN', 'ERROR'
+WARN_PERIODS = 1.5      # chunks come one period apart; half a period more is a missed tick,
+                        # not publish jitter (a threshold of one period flickered WARN)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class OutputWatchdog:
 
     Args:
         period: seconds (> 0) between chunks (the node's chunk_period).
-        error_periods: periods without a chunk before ERROR (> 1).
+        error_periods: periods without a chunk before ERROR (> WARN_PERIODS).
 
     Raises:
         ValueError: period not > 0, error_periods not > 1.
@@ -49,8 +51,9 @@ class OutputWatchdog:
         period = finite_seconds('period', period)
         if period <= 0.0:
             raise ValueError(f'period must be > 0 s, got {period!r}')
-        if not (isinstance(error_periods, (int, float)) and error_periods > 1.0):
-            raise ValueError(f'error_periods must be a number > 1, got {error_periods!r}')
+        if not (isinstance(error_periods, (int, float)) and error_periods > WARN_PERIODS):
+            raise ValueError(f'error_periods must be a number > {WARN_PERIODS}, got '
+                             f'{error_periods!r}')
         self.period = period
         self.error_periods = float(error_periods)
         self._lock = threading.Lock()
@@ -94,9 +97,9 @@ class OutputWatchdog:
         if gap > self.error_periods * self.period:
             return OutputState(ERROR, f'{what} for {gap:.1f} s, the robot gets no commands{why}',
                                gap)
-        if gap > self.period:
-            return OutputState(WARN, f'{what} for {gap:.2f} s (> one period '
-                                     f'{self.period:.3f} s){why}', gap)
+        if gap > WARN_PERIODS * self.period:     # a tick missed, not a late publish
+            return OutputState(WARN, f'{what} for {gap:.2f} s (> {WARN_PERIODS} x the period '
+                                     f'{self.period:.3f} s: a tick missed){why}', gap)
         return OutputState(OK, 'chunks published on schedule', gap)
 
     def check_clock(self, now: float, wall: float) -> OutputState | None:
