@@ -42,11 +42,12 @@ def generate_launch_description():
         SetEnvironmentVariable('FASTDDS_DEFAULT_PROFILES_FILE', os.environ.get(
             'FASTDDS_DEFAULT_PROFILES_FILE', os.path.join(config, 'fastdds_large_images.xml'))),
         SetEnvironmentVariable('MUJOCO_GL', os.environ.get('MUJOCO_GL', 'egl')),
-        Node(package=PACKAGE, executable='sim_robot', name='sim_robot',
-             namespace=LaunchConfiguration('namespace'), output='screen', emulate_tty=True,
-             parameters=[LaunchConfiguration('sim_params_file')]),
+        # the policy first: a bad argument fails there, before the simulator starts
         IncludeLaunchDescription(
             PythonLaunchDescriptionSource(os.path.join(share, 'launch', 'policy.launch.py')),
             launch_arguments={'params_file': LaunchConfiguration('policy_params_file'),
                               'namespace': LaunchConfiguration('namespace')}.items()),
+        Node(package=PACKAGE, executable='sim_robot', name='sim_robot',
+             namespace=LaunchConfiguration('namespace'), output='screen', emulate_tty=True,
+             parameters=[LaunchConfiguration('sim_params_file')]),
     ])
