@@ -27,8 +27,11 @@ $(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.
 demo: setup
 	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy.demo --duration $(DURATION)
 
+# Two pytest calls: the unit and node tests, then (scripts/test_ros_install.sh) a colcon install
+# of the package with the tests that need it, where launch_testing's pytest plugins load.
 test: setup
-	$(PY) -m pytest -q -rs test
+	$(PY) -m pytest -q -rs test --ignore=test/installed
+	bash scripts/test_ros_install.sh $(VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,8 @@
 """Parameter file sections are matched as rcl matches them (the table below was read off
 rclpy 9.1 / Kilted: a node 'molmobot_policy' started with and without `-r __ns:=/robot1`
 and a file with one section), and a file with no applicable section is an error."""
+from pathlib import Path
+
 import pytest
 
 from molmobot_policy.ros.param_files import section_applies, unmatched_parameter_files
@@ -87,3 +89,12 @@ def test_a_file_among_several_with_a_misspelled_section_is_the_one_reported(tmp_
     assert len(errors) == 1
     assert str(typo) in errors[0] and "'molmobot_polcy'" in errors[0]
     assert unmatched_parameter_files(argv[:2] + argv[4:], ROOT) == []
+
+
+@pytest.mark.parametrize('name', ['policy_tiny.yaml', 'policy_droid.yaml'])
+@pytest.mark.parametrize('node', [ROOT, NAMESPACED])
+def test_packaged_policy_files_apply_with_and_without_a_namespace(name, node):
+    """policy.launch.py namespace:=robot1 passes them as they are."""
+    repo = Path(__file__).resolve().parents[1]
+    argv = ['--ros-args', '--params-file', str(repo / 'config' / name)]
+    assert unmatched_parameter_files(argv, node) == []

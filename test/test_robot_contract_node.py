@@ -101,7 +101,7 @@ def make_node(context):
 
 
 def droid_parameters() -> dict:
-    return yaml.safe_load(DROID_YAML.read_text())['molmobot_policy']['ros__parameters']
+    return yaml.safe_load(DROID_YAML.read_text())['/**/molmobot_policy']['ros__parameters']
 
 
 # ------------------------------------------------------------------ the contract check
