@@ -180,3 +180,10 @@ def test_a_never_measured_action_joint_is_no_problem_for_anchoring():
     sync = _sync()
     _fill(sync, stamp=10.0)
     assert sync.position_problem(('joint_a', 'never_sent'), now=10.0, max_age=0.5) == ''
+
+
+def test_without_clock_inputs_are_refused_for_the_clock_not_for_the_future():
+    sync = _sync()
+    assert not sync.add_image(CAMERAS[0], _image(), stamp=1796162125.7, received=0.0)
+    problem = sync.stats(0.0)[CAMERAS[0]].problem
+    assert 'clock has not started' in problem and 'future' not in problem

@@ -211,10 +211,15 @@ class ObservationSynchronizer:
     def stamp_problem(self, stamp: float, now: float) -> str:
         """Why a header stamp cannot be used at time `now` (s), or '' when it can.
 
-        Unset (0: the driver never filled it) or more than `max_future` ahead of `now`.
+        Unset (0: the driver never filled it), the node's clock not started (0: use_sim_time
+        and no /clock yet, where every stamp would look like the future), or more than
+        `max_future` ahead of `now`.
         """
         if stamp == 0.0:
             return 'header stamp unset (0)'
+        if now <= 0.0:
+            return ("this node's clock has not started (use_sim_time: true and no /clock "
+                    'received yet): no header stamp can be judged')
         if stamp - now > self.max_future:
             return (f'stamped {stamp - now:.3f} s in the future (more than max_future_stamp '
                     f'{self.max_future:.3f} s ahead of this node\'s clock): are the clocks '
