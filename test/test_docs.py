@@ -105,8 +105,9 @@ def test_the_controller_example_takes_the_nodes_joints_on_its_topic():
                     and value.get('type') == 'joint_trajectory_controller/'
                                              'JointTrajectoryController']
     jtc = example[controller]['ros__parameters']
-    node = example['molmobot_policy']['ros__parameters']
-    assert jtc['joints'] == droid['molmobot_policy']['ros__parameters']['action_joint_names']
+    section = '/**/molmobot_policy'      # the packaged files' section: any namespace
+    node = example[section]['ros__parameters']
+    assert jtc['joints'] == droid[section]['ros__parameters']['action_joint_names']
     assert node['output_topic'] == f'/{controller}/joint_trajectory'   # the JTC's ~/ topic
     assert set(node) <= set(PARAMETERS)      # the node takes this file as a --params-file
     assert jtc['interpolation_method'] in ('splines', 'none')
