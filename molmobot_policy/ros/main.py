@@ -10,7 +10,7 @@ Signals: SIGINT (Ctrl-C) and SIGTERM are answered by rclpy's signal handler, whi
 ROS context down; the node then stops at its next check (the executor's spin returns,
 configure stops between its steps and warm-up buckets) and the process exits 0. Python
 raises no KeyboardInterrupt for that first Ctrl-C (`GracefulSigint`), so no step is cut in
-the middle. A second Ctrl-C interrupts at once (KeyboardInterrupt, e.g. during a long
+the middle. A second Ctrl-C (more than GracefulSigint.REPEAT_S after the first) interrupts at once (KeyboardInterrupt, e.g. during a long
 checkpoint load or compile) and the process exits 130, the shell's status for SIGINT.
 
 Exit status: 0 after a clean stop, 1 when the node cannot start (bad environment, parameter
@@ -43,20 +43,30 @@ INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
 class GracefulSigint:
     """Python's SIGINT handler while the node runs: the first SIGINT raises nothing (rclpy's
     handler, which calls this one after its own, has shut the context down: the node stops
-    at its next check); later ones raise KeyboardInterrupt, as Python's default does.
+    at its next check); later ones raise KeyboardInterrupt, as Python's default does, except
+    one within REPEAT_S of the first: that is the same stop request delivered twice (a
+    supervisor's SIGINT to the process group, then `ros2 launch` forwarding its own), and an
+    interrupt then, inside rclpy's shutdown, could abort the process (exit 134).
 
     Installed only from the main thread over Python's default handler (not where SIGINT is
     ignored, as in a shell's background job, or where an application set its own).
     """
 
-    def __init__(self) -> None:
+    REPEAT_S = 1.0
+
+    def __init__(self, clock=time.monotonic) -> None:
         self.count = 0
         self._previous = None
+        self._clock, self._first = clock, None
 
     def __call__(self, signum, frame) -> None:
+        now = self._clock()
+        if self._first is not None and now - self._first < self.REPEAT_S:
+            return      # the same request again
         self.count += 1
         if self.count > 1:
             raise KeyboardInterrupt
+        self._first = now
         print_log(NODE_NAME, 'INFO', 'SIGINT: stopping after the current step (Ctrl-C again '
                                      'to interrupt at once)')
 
