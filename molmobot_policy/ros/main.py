@@ -10,8 +10,9 @@ Signals: SIGINT (Ctrl-C) and SIGTERM are answered by rclpy's signal handler, whi
 ROS context down; the node then stops at its next check (the executor's spin returns,
 configure stops between its steps and warm-up buckets) and the process exits 0. Python
 raises no KeyboardInterrupt for that first Ctrl-C (`GracefulSigint`), so no step is cut in
-the middle. A second Ctrl-C (more than GracefulSigint.REPEAT_S after the first) interrupts at once (KeyboardInterrupt, e.g. during a long
-checkpoint load or compile) and the process exits 130, the shell's status for SIGINT.
+the middle. A second Ctrl-C (more than GracefulSigint.REPEAT_S after the first) interrupts
+at once (KeyboardInterrupt, e.g. during a long checkpoint load or compile) and the process
+exits 130, the shell's status for SIGINT.
 
 Exit status: 0 after a clean stop, 1 when the node cannot start (bad environment, parameter
 or parameter file, configure failed), 130 after a second Ctrl-C.
