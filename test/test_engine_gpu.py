@@ -1,6 +1,6 @@
 """PolicyEngine on CUDA (tiny model): compile + CUDA graphs + buckets + fp8.
 
-Skipped without CUDA (CPU CI); run on the H200 (see benchmarks/RESULTS.md for the last run).
+Skipped without CUDA (CPU CI); run on the H200 (docs/PERFORMANCE.md, "GPU tests", lists the last run).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fused DiT kernel (runtime/fused_dit.py) against the DiT blocks it replaces.
 
-Skipped without CUDA and Triton (CPU CI); run on the H200 (benchmarks/RESULTS.md lists the
-last run). The tiny model's action expert (48 wide, 4 heads of 12, MLP 192) exercises the
+Skipped without CUDA and Triton (CPU CI); run on the H200 (docs/PERFORMANCE.md, "GPU
+tests", lists the last run). The tiny model's action expert (48 wide, 4 heads of 12, MLP 192) exercises the
 masked edges of every tile; the full-size shapes are checked by benchmarks/benchmark_fused_dit.py.
 At the end, a `states_mode: self_attn` model served end to end in bf16 (compiled, CUDA graphs)
 through the kernel and through the compiled blocks, against the fp32 CPU reference.

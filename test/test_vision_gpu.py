@@ -2,7 +2,7 @@
 cuBLASLt GEMM with its GELU epilogue) computes the tanh-approximated GELU that SigLIP uses, not
 the erf form.
 
-Skipped without CUDA (CPU CI); run on the H200 (benchmarks/RESULTS.md lists the last run)."""
+Skipped without CUDA (CPU CI); run on the H200 (docs/PERFORMANCE.md, "GPU tests", lists the last run)."""
 from __future__ import annotations
 
 import pytest

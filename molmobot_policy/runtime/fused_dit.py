@@ -152,8 +152,7 @@ if triton is not None:
         """Grid-wide barrier: waits until every program has arrived `target` times in total.
         Arrival: a release add; waiting: acquire reads (POLL=0: atomic reads, the default;
         POLL=1: acquire loads), so the scratch written before the barrier is visible after
-        it. (A nanosleep between the reads was slower on an H200: 12.85 / 13.4 ms for the
-        flow loop with 64 / 256 ns against 12.67, benchmarks/RESULTS.md.)"""
+        it. (A nanosleep between the reads was slower: docs/decisions/fused-dit-kernel.md.)"""
         tl.debug_barrier()
         tl.atomic_add(counter_ptr, 1, sem='release', scope='gpu')
         if POLL == 1:
