@@ -244,3 +244,10 @@ def test_the_updater_runs_on_the_steady_clock_and_stamps_system_time_before_cloc
     node.timers[0][1]()
     stamp = node.published[0].header.stamp
     assert stamp.sec > 1_600_000_000                     # system time, not 0
+
+
+def test_the_idle_output_status_says_why_nothing_is_sent():
+    from molmobot_policy.ros.diagnostics import IdleOutputTask
+    state = (ERROR, 'configure failed, no commands are sent: checkpoint_path is empty')
+    level, message, _ = _run(IdleOutputTask(lambda: state))
+    assert level == ERROR and 'checkpoint_path is empty' in message

@@ -225,6 +225,22 @@ def test_an_empty_checkpoint_path_fails_configure_unless_random_weights_are_allo
     assert 'checkpoint_path:=' in errors        # says how to pass one
 
 
+def test_a_node_that_failed_to_configure_says_so_on_diagnostics(graph):
+    """Not active, no commands: the 'output' status is published anyway (never silent),
+    ERROR with the configure error, WARN once configured but inactive."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    g = graph('safety_idle', engine=lambda config: None)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    g.thread = threading.Thread(target=g.executor.spin, daemon=True)
+    g.thread.start()
+
+    def failed():
+        status = g.status('output')
+        return status is not None and 'checkpoint_path is empty' in status.message \
+            and _level(status) == DiagnosticStatus.ERROR
+    assert g.wait_for(failed, 10.0)
+
+
 def test_random_weights_are_logged_at_every_start_and_on_diagnostics(graph):
     g = graph('safety_random', allow_random_weights=True, seed=3)
     g.start()

@@ -249,6 +249,31 @@ class ScheduleTask(DiagnosticTask):
         return stat
 
 
+class IdleOutputTask(DiagnosticTask):
+    """The 'output' status while the node is not active (no loop, so no OutputTask): WARN
+    (unconfigured or inactive: no commands are sent), ERROR after a failed configure;
+    `state()` -> (level, message)."""
+
+    def __init__(self, state: Callable[[], tuple]) -> None:
+        super().__init__('output')
+        self._state = state
+
+    def run(self, stat):
+        level, message = self._state()
+        stat.summary(level, message)
+        return stat
+
+
+def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], tuple]
+                 ) -> Updater:
+    """The node's Updater while it is not active: the `IdleOutputTask` of `state()`, so a
+    monitor sees an unconfigured, inactive or failed node say so instead of going quiet."""
+    updater = Updater(node, parameter('diagnostics_period'))
+    updater.setHardwareID(node.get_name())
+    updater.add(IdleOutputTask(state))
+    return updater
+
+
 class OutputTask(DiagnosticTask):
     """Whether chunks reach the robot: `watchdog` a timing.OutputWatchdog fed by the loop's
     events, `stats` its timing.LoopStats (the motion limits' counts), `now()` -> ROS time

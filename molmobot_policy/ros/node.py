@@ -33,7 +33,8 @@ from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
-from molmobot_policy.ros.diagnostics import Updater, policy_updater
+from molmobot_policy.ros.diagnostics import (ERROR, WARN, Updater, idle_updater,
+                                             policy_updater)
 from molmobot_policy.ros.param_files import unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
@@ -86,9 +87,23 @@ class PolicyNode(LifecycleNode):
         self._sync: ObservationSynchronizer | None = None
         self._input_subscriptions = []
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
-        self._diagnostics: Updater | None = None
+        self._diagnostics: Updater | None = None        # while active
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._validate_parameters)
+        self._idle_diagnostics: Updater | None = None    # while not active
+        self._idle((WARN, 'unconfigured: no commands are sent (configure, then activate)'))
+
+    def _idle(self, state: tuple | None) -> None:
+        """Publish `state` ((level, message)) as the 'output' status while the node is not
+        active (ros.diagnostics.idle_updater); None: stop it (activate, destroy)."""
+        if state is None:
+            if self._idle_diagnostics is not None:
+                self._idle_diagnostics.destroy()
+                self._idle_diagnostics = None
+            return
+        self._idle_state = state
+        if self._idle_diagnostics is None:
+            self._idle_diagnostics = idle_updater(self, self._param, lambda: self._idle_state)
 
     def _param(self, name: str):
         return self.get_parameter(name).value
@@ -152,6 +167,7 @@ class PolicyNode(LifecycleNode):
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             self.get_logger().error(f'configure failed: {message}')
             self._close_engine()
+            self._idle((ERROR, f'configure failed, no commands are sent: {message}'))
             return TransitionCallbackReturn.FAILURE
         if self._param('gc_freeze'):        # the start-up heap lives until cleanup
             self._froze_heap = True
@@ -165,6 +181,7 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
                                       'run time)')
+        self._idle((WARN, 'inactive (configured): no commands are sent until activated'))
         return TransitionCallbackReturn.SUCCESS
 
     def _log_served(self) -> None:
@@ -186,6 +203,7 @@ class PolicyNode(LifecycleNode):
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._idle(None)            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         cameras = camera_subscriptions(self._param)
         self._sync = ObservationSynchronizer(
@@ -246,12 +264,14 @@ class PolicyNode(LifecycleNode):
         if self._diagnostics is not None:
             self._diagnostics.destroy()
             self._diagnostics = None
+        self._idle((WARN, 'inactive (deactivated): no commands are sent'))
         chunks = self.loop.stats.chunks_published if self.loop else 0
         self.get_logger().info(f"deactivated after {chunks} chunk{'' if chunks == 1 else 's'}")
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._close_engine()
+        self._idle((WARN, 'unconfigured (cleaned up): no commands are sent'))
         self.get_logger().info('cleaned up: engine released, unconfigured')
         return TransitionCallbackReturn.SUCCESS
 
@@ -264,6 +284,7 @@ class PolicyNode(LifecycleNode):
     def destroy_node(self) -> None:
         """Stops the worker and releases the engine, then destroys the node."""
         self._stop_loop()
+        self._idle(None)
         self._close_engine()
         super().destroy_node()
 
