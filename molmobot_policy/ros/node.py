@@ -88,9 +88,9 @@ class PolicyNode(LifecycleNode):
         self._input_subscriptions = []
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
+        self._idle_diagnostics: Updater | None = None   # while not active
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._validate_parameters)
-        self._idle_diagnostics: Updater | None = None    # while not active
         self._idle((WARN, 'unconfigured: no commands are sent (configure, then activate)'))
 
     def _idle(self, state: tuple | None) -> None:
