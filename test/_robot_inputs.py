@@ -23,3 +23,37 @@ def publish_robot_inputs(node, camera_topics, joint_state_topic: str, joint_name
         joints.publish(state)
 
     return node.create_timer(period, publish)
+
+
+class StandInEngine:
+    """An engine for node tests without a model: the tiny preset's config and contract,
+    instant warm-up, and a chunk of 16 x 8 actions all equal to `action_value(observation)`
+    (default 0.0); `inference_seconds` as the real engine's warm-up measures it (None: not)."""
+
+    inference_seconds = None
+
+    def __init__(self, config):
+        from molmobot_policy.model.config import MolmoBotConfig
+        self.config = config
+        self.model_config = MolmoBotConfig.from_name('tiny')
+        self.mode = {'model': 'stand-in'}
+
+    def warmup(self, progress=None):
+        return 0.0
+
+    def check_instruction(self, instruction):
+        return 1
+
+    def close(self):
+        pass
+
+    def action_value(self, observation) -> float:
+        return 0.0
+
+    def predict(self, observation):
+        import numpy as np
+        from molmobot_policy.types import ActionChunk
+        actions = np.full((16, 8), self.action_value(observation), np.float32)
+        return ActionChunk(actions=actions, actions_normalized=actions,
+                           observation_stamp=observation.stamp,
+                           observation_seq=observation.seq, inference_ms=1.0)

@@ -7,7 +7,6 @@ import math
 import threading
 import time
 
-import numpy as np
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
@@ -15,12 +14,10 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
-from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
-from molmobot_policy.types import ActionChunk  # noqa: E402
 
-from _robot_inputs import publish_robot_inputs  # noqa: E402
+from _robot_inputs import StandInEngine, publish_robot_inputs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,27 +26,11 @@ CAMERAS = ['/chunk_info_cam0', '/chunk_info_cam1']
 JOINT_STATES = '/chunk_info_joint_states'
 
 
-class _Engine:
+class _Engine(StandInEngine):
     """The tiny preset's contract; actions = the observation's seq."""
 
-    def __init__(self, config):
-        self.model_config = MolmoBotConfig.from_name('tiny')
-        self.mode = {'model': 'stand-in'}
-
-    def warmup(self, progress=None):
-        return 0.0
-
-    def check_instruction(self, instruction):
-        return 1
-
-    def close(self):
-        pass
-
-    def predict(self, observation):
-        actions = np.full((16, 8), float(observation.seq), np.float32)
-        return ActionChunk(actions=actions, actions_normalized=actions,
-                           observation_stamp=observation.stamp,
-                           observation_seq=observation.seq, inference_ms=1.0)
+    def action_value(self, observation) -> float:
+        return float(observation.seq)
 
 
 class _Graph:

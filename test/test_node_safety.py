@@ -22,11 +22,11 @@ from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
-from molmobot_policy.model.config import MolmoBotConfig  # noqa: E402
 from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 
 from _golden import GOLDEN, MISSING  # noqa: E402
+from _robot_inputs import StandInEngine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,33 +35,8 @@ CONTROL_PERIOD = 0.05
 DIAGNOSTICS = 0.2
 
 
-class _Engine:
-    """The tiny preset's contract; every action = `plan`; `inference_seconds` as the real
-    engine's warm-up measures it."""
-
-    plan = 0.0
-    inference_seconds = None
-
-    def __init__(self, config):
-        self.config = config
-        self.model_config = MolmoBotConfig.from_name('tiny')
-        self.mode = {'model': 'stand-in'}
-
-    def warmup(self, progress=None):
-        return 0.0
-
-    def check_instruction(self, instruction):
-        return 1
-
-    def close(self):
-        pass
-
-    def predict(self, observation):
-        from molmobot_policy.types import ActionChunk
-        actions = np.full((16, 8), self.plan, np.float32)
-        return ActionChunk(actions=actions, actions_normalized=actions,
-                           observation_stamp=observation.stamp,
-                           observation_seq=observation.seq, inference_ms=1.0)
+class _Engine(StandInEngine):
+    """The tiny preset's contract; every action 0.0 (the plan)."""
 
 
 class _Log:

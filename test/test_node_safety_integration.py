@@ -27,6 +27,8 @@ from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds  # noqa: E402
 
+from conftest import RosHarness  # noqa: E402  (test/conftest.py: its wait_for)
+
 pytestmark = pytest.mark.timeout(180)
 
 NAMESPACE, FQN = '/robot1', '/robot1/molmobot_policy'
@@ -198,7 +200,7 @@ def test_a_plain_section_under_a_namespace_is_refused_at_configure(start_policy_
 # ------------------------------------------------------------------ no /clock
 def test_without_clock_the_node_says_it_waits_and_the_output_status_is_error(policy, robot):
     assert policy.wait_for_log('waiting for /clock', STARTUP_TIMEOUT), policy.log()
-    assert RosWait.until(lambda: _status_is(robot, 'output', DiagnosticStatus.ERROR,
+    assert RosHarness.wait_for(lambda: _status_is(robot, 'output', DiagnosticStatus.ERROR,
                                             'waiting for /clock'), 15.0), policy.log()
     assert robot.trajectories == []        # the error state was reached with nothing sent
 
@@ -206,10 +208,10 @@ def test_without_clock_the_node_says_it_waits_and_the_output_status_is_error(pol
 # ------------------------------------------------------------------ first point
 def test_the_first_point_is_within_the_velocity_limit_of_the_measured_state(policy, robot):
     robot.clock.start()
-    assert RosWait.until(lambda: robot.trajectories, 30.0), policy.log()[-3000:]
+    assert RosHarness.wait_for(lambda: robot.trajectories, 30.0), policy.log()[-3000:]
     _, msg = robot.trajectories[0]
     assert list(msg.joint_names) == JOINTS
-    assert RosWait.until(lambda: robot.info_of(msg) is not None, 5.0)
+    assert RosHarness.wait_for(lambda: robot.info_of(msg) is not None, 5.0)
     info = robot.info_of(msg)
     points = np.array([p.positions for p in msg.points])
     # the limiter's measurement is not older than the observation's joint state
@@ -244,9 +246,9 @@ def test_a_future_stamped_camera_is_refused_named_and_never_used(policy, robot):
                          r'the future.*are the clocks synchronized\?', policy.log()[start:])
         assert line and 4.5 < float(line.group(1)) < 5.5, policy.log()[start:]
         camera = f'camera {CAMERAS[1]}'
-        assert RosWait.until(lambda: _status_is(robot, camera, DiagnosticStatus.ERROR,
+        assert RosHarness.wait_for(lambda: _status_is(robot, camera, DiagnosticStatus.ERROR,
                                                 'in the future'), 10.0), robot.status(camera)
-        assert RosWait.until(lambda: _status_is(robot, 'output', DiagnosticStatus.ERROR,
+        assert RosHarness.wait_for(lambda: _status_is(robot, 'output', DiagnosticStatus.ERROR,
                                                 CAMERAS[1]), 10.0), robot.status('output')
     finally:
         robot.stamp_offset.pop(CAMERAS[1])
@@ -255,14 +257,14 @@ def test_a_future_stamped_camera_is_refused_named_and_never_used(policy, robot):
     for at, msg in received:          # nothing scheduled seconds ahead from a future frame
         assert stamp_seconds(msg.header.stamp) < at + 1.0
     resumed = robot.clock.now()
-    assert RosWait.until(lambda: any(at > resumed for at, _ in robot.trajectories), 15.0)
+    assert RosHarness.wait_for(lambda: any(at > resumed for at, _ in robot.trajectories), 15.0)
 
 
 # ------------------------------------------------------------------ clock jump back
 def test_a_clock_jump_back_is_detected_at_once_and_publishing_resumes(policy, robot):
     """10 s back: the stored inputs and schedule belong to the old time base. The jump is
     logged within seconds and chunks come again long before the old time is reached."""
-    assert RosWait.until(lambda: robot.trajectories, 15.0)
+    assert RosHarness.wait_for(lambda: robot.trajectories, 15.0)
     start, before = len(policy.log()), robot.clock.now()
     with robot.lock:
         chunks = len(robot.trajectories)
@@ -275,21 +277,10 @@ def test_a_clock_jump_back_is_detected_at_once_and_publishing_resumes(policy, ro
         with robot.lock:
             return [msg for _, msg in robot.trajectories[chunks:]
                     if stamp_seconds(msg.header.stamp) < before - 5.0]
-    assert RosWait.until(new_timeline, 8.0), policy.log()[start:]
+    assert RosHarness.wait_for(new_timeline, 8.0), policy.log()[start:]
     assert time.monotonic() - jumped_at < 9.0      # the old time base would take 10 s
     assert policy.running()
 
 
 def test_node_exits_cleanly_on_sigint(policy):
     assert policy.stop(timeout=15.0) == 0, policy.log()[-2000:]
-
-
-class RosWait:
-    @staticmethod
-    def until(predicate, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.05)
-        return bool(predicate())
