@@ -113,12 +113,17 @@ class Robot:
         return lambda: self.sent.append((self.clock.t, chunk))
 
 
+def first_joints(actions):
+    """The published joints' action dims (the robot contract's rule: the first JOINTS)."""
+    return actions[:, :JOINTS]
+
+
 def make_loop(clock, event, robot=None, events=None, **kwargs) -> PolicyLoop:
     robot = robot or Robot(clock)
     arguments = dict(clock=clock, observe=robot.observe, predict=robot.predict,
                      publish=robot.publish, stitcher=ChunkStitcher(CONTROL_PERIOD),
-                     chunk_period=PERIOD, joints=JOINTS, events=events, stop_event=event,
-                     timer=clock)
+                     chunk_period=PERIOD, to_joints=first_joints, events=events,
+                     stop_event=event, timer=clock)
     return PolicyLoop(**{**arguments, **kwargs})
 
 
@@ -372,7 +377,8 @@ def test_stop_ends_and_joins_the_worker_thread():
     robot = Robot(FakeClock())
     loop = PolicyLoop(clock=time.monotonic, observe=lambda now: 'no input yet',
                       predict=robot.predict, publish=robot.publish,
-                      stitcher=ChunkStitcher(CONTROL_PERIOD), chunk_period=0.05, joints=JOINTS)
+                      stitcher=ChunkStitcher(CONTROL_PERIOD), chunk_period=0.05,
+                      to_joints=first_joints)
     loop.start(name='test_worker')
     assert any(t.name == 'test_worker' for t in threading.enumerate())
     loop.stop()

@@ -234,7 +234,7 @@ class PolicyNode(LifecycleNode):
             clock=self._now, observe=self._observe, predict=self.engine.predict,
             publish=self._prepare_publish, stitcher=chunk_stitcher(self._param),
             chunk_period=self._param('chunk_period'),
-            joints=len(self._param('action_joint_names')),
+            to_joints=self.contract.joint_positions,
             events=LoopReport(self, self._chunk_info_pub, self._sync, self._watchdog, self._now),
             sim_time=sim_time, debug_timing=self._param('debug_timing'),
             limiter=motion_limiter(self._param), measured=self._measured, latency=self._latency)

@@ -47,8 +47,7 @@ import numpy as np
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
 from molmobot_policy.timing.motion import MotionLimiter
-from molmobot_policy.timing.reports import (STATS_WINDOW, ChunkReport, DelayClues,  # noqa: F401
-                                            LoopEvents, LoopStats)
+from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
 from molmobot_policy.timing.scheduler import DeadlineScheduler, ObservationGate, Tick
 from molmobot_policy.timing.stats import runqueue_wait_s
 from molmobot_policy.types import ActionChunk, Observation
@@ -116,7 +115,9 @@ class PolicyLoop:
             (before the deadline) and returns the call that sends them (at the deadline).
         stitcher: the `ChunkStitcher` (its control_period is the actions' spacing).
         chunk_period: seconds between ticks (> 0).
-        joints: the first `joints` action dims are published (action dim k -> joint k).
+        to_joints: float (H, action_dim) robot units -> (H, joints): the action dims the
+            published joints take (the robot contract's rule,
+            `preprocess.transforms.RobotContract.joint_positions`).
         events: a `LoopEvents`; default: ignore.
         sim_time: () -> bool; True while the clock follows /clock (no polling tail, no
             delay clues).
@@ -140,7 +141,8 @@ class PolicyLoop:
                  observe: Callable[[float], object],
                  predict: Callable[[Observation], ActionChunk],
                  publish: Callable[[StitchedChunk], Callable[[], None]],
-                 stitcher: ChunkStitcher, chunk_period: float, joints: int,
+                 stitcher: ChunkStitcher, chunk_period: float,
+                 to_joints: Callable[[np.ndarray], np.ndarray],
                  events: Optional[LoopEvents] = None,
                  sim_time: Callable[[], bool] = lambda: False, debug_timing: bool = False,
                  stop_event=None, timer: Callable[[], float] = time.perf_counter,
@@ -152,7 +154,7 @@ class PolicyLoop:
             raise ValueError(f'chunk_period must be > 0 seconds, got {chunk_period!r}')
         self._clock, self._observe, self._predict = clock, observe, predict
         self._publish, self._stitcher = publish, stitcher
-        self._period, self._joints = float(chunk_period), int(joints)
+        self._period, self._to_joints = float(chunk_period), to_joints
         self._events = events or LoopEvents()
         self._sim_time, self._debug = sim_time, bool(debug_timing)
         self._stop = stop_event if stop_event is not None else threading.Event()
@@ -300,7 +302,7 @@ class PolicyLoop:
             measured = self._measured() if self._limiter is not None else None
         except ValueError as error:
             return self._skip(tick, str(error))
-        actions = np.asarray(chunk.actions, dtype=np.float64)[:, :self._joints]
+        actions = self._to_joints(np.asarray(chunk.actions, dtype=np.float64))
         stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
         self.stats.dropped_actions += stitched.dropped
         if len(stitched) == 0:
