@@ -88,11 +88,11 @@ class OutputWatchdog:
     def check(self, now: float) -> OutputState:
         """The output's state at `now`."""
         with self._lock:
-            since, reason = self._since, self._reason
+            since, reason, published = self._since, self._reason, self._published
         if since is None:
             return OutputState(OK, 'not active: no output expected', None)
         gap = max(now - since, 0.0)
-        what = 'no chunk published' if self._published == 0 else 'no chunk'
+        what = 'no chunk published' if published == 0 else 'no chunk'
         why = f': {reason}' if reason else ''
         if gap > self.error_periods * self.period:
             return OutputState(ERROR, f'{what} for {gap:.1f} s, the robot gets no commands{why}',
