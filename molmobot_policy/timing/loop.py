@@ -16,7 +16,7 @@ executes at `observation.stamp + k * control_period`.
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
 after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
 before the target and the worker then polls the clock, yielding the GIL (`time.sleep(0)`)
-between reads, so the wake-up is not late by a timed wait's slack.
+between reads, so the wake-up is not late by a timed wait's slack or a late timer.
 
 Clock jumps: every clock read is compared with the previous one. A clock that went back
 (sim time restarted, the system clock set back) ends a wait at once, also the wait for a
@@ -53,8 +53,12 @@ from molmobot_policy.timing.stats import runqueue_wait_s
 from molmobot_policy.types import ActionChunk, Observation
 
 POLL_S = 0.05               # longest single wait (stop, sim time and clock jump checks)
-BUSY_WAIT_S = 0.001         # system clock: poll (yielding) this long before a target;
-                            # covers the ~0.1 ms oversleep of timed waits on Linux
+BUSY_WAIT_S = 0.006         # system clock: poll (yielding) this long before a target. A
+                            # timed wait can return milliseconds after its timeout with the
+                            # thread never waiting for a CPU (timer expiry delivered late in a
+                            # virtual machine, the GIL); this tail is wider than those wake-ups
+                            # (docs/decisions/node-worker-timing.md), at the cost of polling it
+                            # twice a tick (start of inference, deadline)
 MAX_LEAD_FRACTION = 0.9     # lead <= this * chunk_period: one latency spike (a stalled
                             # machine) must not push the lead past the period (then at most
                             # every other tick runs) or past the chunk's span (then every
