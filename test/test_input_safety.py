@@ -182,6 +182,23 @@ def test_a_never_measured_action_joint_is_no_problem_for_anchoring():
     assert sync.position_problem(('joint_a', 'never_sent'), now=10.0, max_age=0.5) == ''
 
 
+def test_anchor_positions_mask_the_gripper_list_the_unseen_and_refuse_a_stale_joint():
+    sync = ObservationSynchronizer(CAMERAS, JOINTS, joint_state_topic='/joint_states',
+                                   action_joint_names=('joint_a', 'wrist', 'finger'))
+    sync.add_joint_state(('joint_a', 'finger'), [0.1, 0.04], stamp=10.0, received=10.0)
+    positions, stamp, unseen = sync.anchor_positions(('joint_a', 'wrist', 'finger'),
+                                                     gripper_index=2, now=10.1, max_age=0.5)
+    assert positions[0] == pytest.approx(0.1) and stamp == 10.0
+    assert np.isnan(positions[1]) and np.isnan(positions[2])   # never sent; the gripper
+    assert unseen == ['wrist']                                  # the gripper is not "unseen"
+    with pytest.raises(ValueError, match=r"stale for action joints \['joint_a'\]"):
+        sync.anchor_positions(('joint_a', 'wrist', 'finger'), 2, now=10.6, max_age=0.5)
+    # a stale gripper joint does not block: its dimension is a command, not a position
+    sync.add_joint_state(('joint_a',), [0.2], stamp=10.6, received=10.6)
+    positions, _, _ = sync.anchor_positions(('joint_a', 'wrist', 'finger'), 2, 10.7, 0.5)
+    assert positions[0] == pytest.approx(0.2)
+
+
 def test_without_clock_inputs_are_refused_for_the_clock_not_for_the_future():
     sync = _sync()
     assert not sync.add_image(CAMERAS[0], _image(), stamp=1796162125.7, received=0.0)

@@ -21,7 +21,6 @@ molmobot_policy.ros.node` runs).
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 from diagnostic_msgs.msg import DiagnosticStatus
@@ -338,26 +337,18 @@ class PolicyNode(LifecycleNode):
                                 instruction=instruction)
 
     def _measured(self):
-        """(positions, stamp) of the action joints for the loop's MotionLimiter: the newest
-        /joint_states position per joint (nan: never received; the gripper dimension's
-        binarized command is no joint position); logs each never-measured joint once.
-        Raises ValueError (the loop skips the tick) for a non-finite or stale position."""
-        names = list(self._param('action_joint_names'))
-        gripper = self._param('gripper_index')
-        anchored = [n for k, n in enumerate(names) if k != gripper]
-        problem = self._sync.position_problem(anchored, self._now(), self._param('max_state_age'))
-        if problem:
-            raise ValueError(problem)
-        positions, stamp = self._sync.latest_positions(names)
-        unseen = [n for k, n in enumerate(names) if math.isnan(positions[k]) and k != gripper]
+        """(positions, stamp) of the action joints for the loop's MotionLimiter
+        (`ObservationSynchronizer.anchor_positions`; its ValueError skips the tick); logs each
+        never-measured joint once."""
+        positions, stamp, unseen = self._sync.anchor_positions(
+            list(self._param('action_joint_names')), self._param('gripper_index'), self._now(),
+            self._param('max_state_age'))
         if set(unseen) - self._unanchored:
             self._unanchored.update(unseen)
             self.get_logger().warning(
                 f'action joints {unseen} have no position on {self._sync.joint_state_topic}: '
                 'their points are not anchored to a measured state (max_joint_velocity and the '
                 'position limits still hold between points)')
-        if 0 <= gripper < len(names):
-            positions[gripper] = math.nan
         return positions, stamp
 
     def _prepare_publish(self, chunk):

@@ -263,6 +263,35 @@ class ObservationSynchronizer:
                     f'age {age:.3f} s > max_state_age {max_age:.3f} s')
         return ''
 
+    def anchor_positions(self, names: Sequence[str], gripper_index: int, now: float,
+                         max_age: float) -> tuple[np.ndarray, float, list[str]]:
+        """The measured positions a chunk's first point is anchored to (the MotionLimiter's
+        `measured`): the newest position of each action joint in `names`.
+
+        Args:
+            names: the action joints, in action order. gripper_index: the action dimension
+                holding the binarized gripper command (no joint position: its entry is nan),
+                or -1 / out of range for none. now: s. max_age: s (max_state_age).
+
+        Returns:
+            (positions, stamp, unseen): float64 (len(names),), robot units, nan for a joint
+            never received and for the gripper; the newest header stamp among them, s; the
+            non-gripper joints never received (not anchored).
+
+        Raises:
+            ValueError: a joint received as non-finite, or one older than `max_age`
+                (`position_problem`): the tick must be skipped.
+        """
+        anchored = [n for k, n in enumerate(names) if k != gripper_index]
+        problem = self.position_problem(anchored, now, max_age)
+        if problem:
+            raise ValueError(problem)
+        positions, stamp = self.latest_positions(names)
+        unseen = [n for k, n in enumerate(names) if math.isnan(positions[k]) and k != gripper_index]
+        if 0 <= gripper_index < len(names):
+            positions[gripper_index] = math.nan
+        return positions, stamp, unseen
+
     def _note_problem(self, table: dict, topic: str, problem: str, t: float) -> None:
         """Set (`problem` non-empty) or clear `topic`'s entry of `table` (self._refused or
         self._problems), keeping when the topic's problems began. Holds the lock."""
