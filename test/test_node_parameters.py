@@ -338,3 +338,17 @@ def test_a_cuda_device_on_a_cpu_build_of_torch_fails_configure_before_the_engine
     assert config is None      # refused before any engine (or weight file) is touched
     assert any("configure failed: device 'cuda:1': this torch" in e
                and 'is built without CUDA' in e for e in errors), errors
+
+
+def test_declaring_the_parameters_leaves_the_table_as_written(ros_context):
+    """rclpy fills in the descriptor it is given (its name; the type of a dynamically typed
+    one): declared from the shared table itself, the second node in a process (and the
+    reference docs rendered after a node ran) saw another table."""
+    before = {name: (d.name, d.type, d.dynamic_typing) for name, (_, d) in PARAMETERS.items()}
+    node = _node(ros_context, [Parameter('autostart', value=False),
+                               Parameter('buckets', value=[448, 512])], 'param_table')
+    try:
+        after = {name: (d.name, d.type, d.dynamic_typing) for name, (_, d) in PARAMETERS.items()}
+        assert after == before
+    finally:
+        node.destroy_node()

@@ -10,6 +10,7 @@ defaults (a parameter file without a section for the node: `ros.param_files`).
 """
 from __future__ import annotations
 
+import copy
 import difflib
 
 import numpy as np
@@ -219,14 +220,16 @@ def given_parameters(node) -> dict:
 
 
 def declare_parameters(node) -> None:
-    """Declare every PARAMETERS entry on `node`.
+    """Declare every PARAMETERS entry on `node`, each with a copy of its descriptor (rclpy
+    fills in the descriptor it is given: name, and the type of a dynamically typed one; the
+    table must stay as written for the next node in the process and for the reference docs).
 
     Raises:
         ParameterError: a given value has the wrong type or is out of range.
     """
     for name, (default, descriptor) in PARAMETERS.items():
         try:
-            node.declare_parameter(name, default, descriptor)
+            node.declare_parameter(name, default, copy.deepcopy(descriptor))
         except (InvalidParameterTypeException, InvalidParameterValueException) as error:
             given = given_parameters(node).get(name)
             value = given.value if given is not None else '?'
