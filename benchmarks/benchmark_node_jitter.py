@@ -1,12 +1,15 @@
 """End-to-end timing of the policy node under camera load, over real DDS (jitter, latency, age).
 
 Starts, as separate processes: camera publishers (N cameras of H x W rgb8 at a fixed rate,
-a few cameras per process so that Python publishing keeps up), a `sensor_msgs/JointState`
+a few cameras per process so that Python publishing keeps up; with `--camera-transport
+compressed` the same synthetic frames as `sensor_msgs/CompressedImage`, jpeg at
+`--jpeg-quality`, on `<topic>/compressed`, each encoded once before publishing starts, and
+the node's `camera_transports: [compressed]`), a `sensor_msgs/JointState`
 publisher (the configured joint names, header stamps = now) and the policy node itself
 (`python -m molmobot_policy.ros.node --ros-args --params-file <generated yaml>`). A recorder
 in this process subscribes to the node's `~/chunk_info` (one `diagnostic_msgs/
 DiagnosticStatus` per published chunk: publish_jitter_ms, observation_age_ms, inference_ms,
-frames_decoded, tick) and to `/diagnostics` (the node's cumulative counters), and samples
+frames_decoded, decode_ms, tick) and to `/diagnostics` (the node's cumulative counters), and samples
 the CPU time of every process from /proc/<pid>/stat (utime + stime, all threads).
 
 It waits for the node's first chunk (configure = build + warm-up + compile/capture), lets
@@ -27,6 +30,11 @@ prints a table and writes JSON (`--out`). Measures:
 - frames decoded vs received: the synchronizer decodes a camera frame only when an
   observation uses it, so decoded per chunk should equal the camera count, far below the
   frames received.
+- decode: the wall time the node's synchronizer spent decoding the frames of each chunk's
+  observation (decode_ms; part of the observation age, not of inference), ms per chunk and
+  per frame (each chunk's decode_ms / frames_decoded); raw rgb8 is a copy, jpeg a real
+  decode. The frames are uniform noise, the hardest case for jpeg: camera images compress
+  smaller and decode faster.
 - CPU: percent of one core per process over the window (100 = one core busy), and the
   whole machine's busy percent and steal percent (/proc/stat: time the hypervisor ran
   something else while a virtual CPU had work).
@@ -47,6 +55,8 @@ Full size on the GPU machine (see benchmarks/h200_node_jitter.sh):
 CPU sanity run with the tiny model (2 cores: fewer, smaller frames; ratios only):
     .venv/bin/python benchmarks/benchmark_node_jitter.py --model tiny --camera-rate 10 \\
         --height 96 --width 128 --chunk-period 1.0 --control-period 0.2 --duration 60
+Compressed cameras (jpeg; the decode rows then show what decoding costs the node): add
+`--camera-transport compressed` to either.
 
 Export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (the default set here if unset) and a
 ROS_DOMAIN_ID of your own; every process inherits them, and FASTDDS_DEFAULT_PROFILES_FILE
@@ -72,6 +82,7 @@ import yaml
 import common
 from common import REPO, cpu_seconds, summary
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
+from molmobot_policy.ros.parameters import CAMERA_TRANSPORTS  # noqa: E402
 
 NODE_NAME = 'molmobot_policy'
 CHUNK_INFO_TOPIC = f'/{NODE_NAME}/chunk_info'
@@ -89,18 +100,23 @@ STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
 LATE_MS = 1.0               # chunks published later than this after their deadline count as late
 DELAY_KEYS = ChunkInfo.DELAY     # parts of the delay (the node's debug_timing)
 DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
+JPEG_QUALITY = 95           # OpenCV's default IMWRITE_JPEG_QUALITY
 
 
 # ----------------------------------------------------------------------------- publishers
 def run_publisher(args) -> int:
     """`publish` sub-command: publish images and/or joint states on a fixed absolute schedule.
 
-    Prints `STATS {"t": monotonic s, "published": {topic: n}, "late": n}` once a second
-    (cumulative; `late` counts ticks dropped because the loop fell a whole period behind).
+    Prints `STATS {"t": monotonic s, "published": {topic: n}, "late": n, "bytes": {topic:
+    n}}` once a second (cumulative; `late` counts ticks dropped because the loop fell a whole
+    period behind; `bytes`: each camera's image data size). With `--transport compressed`
+    each camera's frame is encoded to jpeg once, here, and the message restamped and resent.
     """
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
-    from sensor_msgs.msg import Image, JointState
+    from sensor_msgs.msg import CompressedImage, JointState
+
+    from molmobot_policy.ros import codec
 
     rclpy.init()
     node = rclpy.create_node(f'bench_publisher_{os.getpid()}')
@@ -109,7 +125,13 @@ def run_publisher(args) -> int:
     cameras = []
     for topic in args.cameras:
         msg = common.random_rgb8_image(topic, args.height, args.width, rng)
-        cameras.append((topic, node.create_publisher(Image, topic, qos_profile_sensor_data), msg))
+        if args.transport == 'compressed':      # the same frame, encoded once
+            jpeg = codec.rgb_to_jpeg(codec.image_to_rgb(msg), args.jpeg_quality)
+            msg = CompressedImage(header=msg.header, format=codec.JPEG_FORMAT, data=jpeg)
+            topic = f'{topic}/compressed'
+        cameras.append((topic, node.create_publisher(type(msg), topic, qos_profile_sensor_data),
+                        msg))
+    sizes = {topic: len(msg.data) for topic, _, msg in cameras}
     joints = None
     if args.joints:
         joints = (node.create_publisher(JointState, args.joint_topic, qos_profile_sensor_data),
@@ -148,9 +170,9 @@ def run_publisher(args) -> int:
         if time.monotonic() >= next_report:
             next_report += 1.0
             print(STATS_PREFIX + json.dumps({'t': time.monotonic(), 'published': counts,
-                                             'late': late}), flush=True)
+                                             'late': late, 'bytes': sizes}), flush=True)
     print(STATS_PREFIX + json.dumps({'t': time.monotonic(), 'published': counts,
-                                     'late': late}), flush=True)
+                                     'late': late, 'bytes': sizes}), flush=True)
     node.destroy_node()
     rclpy.try_shutdown()
     return 0
@@ -295,6 +317,7 @@ def node_parameters(args, camera_topics: list[str], joints: list[str]) -> dict:
     parameters = {
         'autostart': True,
         'camera_topics': list(camera_topics), 'camera_qos': 'sensor_data',
+        'camera_transports': [args.camera_transport],
         'joint_state_topic': args.joint_topic,
         'joint_names': list(joints), 'action_joint_names': list(joints),
         'instruction': args.instruction,
@@ -367,6 +390,10 @@ def measure(args, recorder: Recorder, processes: dict[str, Process], start: floa
     result['expected_chunks'] = int(round(result['window_s'] / args.chunk_period))
     decoded = [int(c['frames_decoded']) for c in chunks if 'frames_decoded' in c]
     result['frames_decoded_per_chunk'] = summary(decoded)
+    timed = [c for c in chunks if c.get('decode_ms', '') != '']     # absent from older nodes
+    result['decode_ms_per_chunk'] = summary([float(c['decode_ms']) for c in timed])
+    result['decode_ms_per_frame'] = summary([float(c['decode_ms']) / int(c['frames_decoded'])
+                                             for c in timed if int(c['frames_decoded'])])
     result['publish_delay'] = publish_delay(chunks)
     first, last = recorder.diagnostics_after(start), recorder.diagnostics_after(end)
     if first is not None and last is not None and last[0] > first[0]:
@@ -378,11 +405,13 @@ def measure(args, recorder: Recorder, processes: dict[str, Process], start: floa
                             'pause_max_since_activate_ms':
                                 float(schedule['gc_pause_max_since_activate_ms']),
                             'pause_p99_recent_ms': float(schedule['gc_pause_p99_ms'])}
-    rates = {}
+    rates, sizes = {}, {}
     for name, process in processes.items():
         if name != 'node':
             rates.update(process.rates(start, end))
+            sizes.update(process.stats[-1].get('bytes', {}) if process.stats else {})
     result['publish_rates_hz'] = rates
+    result['camera_message_bytes'] = sizes      # image data per message, per camera topic
     return result
 
 
@@ -404,17 +433,24 @@ def cpu_snapshot(processes: dict[str, Process]) -> dict:
 
 def print_table(run: dict) -> None:
     r, c = run['results'], run['config']
+    images = ('rgb8' if c['camera_transport'] == 'raw'
+              else f"rgb8 as jpeg q{c['jpeg_quality']} on <topic>/compressed")
+    sizes = list(r.get('camera_message_bytes', {}).values())
+    if sizes:
+        images += f' ({np.mean(sizes) / 1024:.0f} KiB per message)'
     print()
     print(f"node jitter benchmark: {c['model']} on {c['device']} ({c['dtype']}, compile="
           f"{c['compile']}, cuda_graphs={c['cuda_graphs']}, buckets={c['buckets'] or 'none'}, "
           f"quantize={c['quantize']}); {c['cameras']} cameras x {c['camera_rate']:g} Hz x "
-          f"{c['height']}x{c['width']} rgb8, joint_states {c['joint_rate']:g} Hz; "
+          f"{c['height']}x{c['width']} {images}, joint_states {c['joint_rate']:g} Hz; "
           f"chunk_period {c['chunk_period']:g} s, control_period {c['control_period']:g} s; "
           f"{r['window_s']:.0f} s measured after {c['warmup']:g} s warm-up")
     print(f"{'':<28}{'p50':>10}{'p99':>10}{'max':>10}")
     for label, key in (('publish jitter (ms)', 'publish_jitter_ms'),
                        ('sensor-to-publish age (ms)', 'observation_age_ms'),
-                       ('inference (ms)', 'inference_ms')):
+                       ('inference (ms)', 'inference_ms'),
+                       ('decode per chunk (ms)', 'decode_ms_per_chunk'),
+                       ('decode per frame (ms)', 'decode_ms_per_frame')):
         s = r[key]
         print(f'{label:<28}{s["p50"]:>10.3f}{s["p99"]:>10.3f}{s["max"]:>10.3f}')
     counters = r.get('counters', {})
@@ -473,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument('--rate', type=float, required=True)
     pub.add_argument('--height', type=int, default=480)
     pub.add_argument('--width', type=int, default=640)
+    pub.add_argument('--transport', default='raw', choices=CAMERA_TRANSPORTS)
+    pub.add_argument('--jpeg-quality', type=int, default=JPEG_QUALITY)
 
     add = parser.add_argument
     add('--model', default='tiny', choices=sorted(PRESET_JOINTS), help='model preset')
@@ -495,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
     add('--height', type=int, default=480)
     add('--width', type=int, default=640)
     add('--cameras-per-process', type=int, default=2)
+    add('--camera-transport', default='raw', choices=CAMERA_TRANSPORTS,
+        help="'raw': sensor_msgs/Image rgb8 on each camera topic; 'compressed': "
+             'sensor_msgs/CompressedImage (jpeg of the same frames, encoded once) on '
+             '<topic>/compressed, the node decoding them (camera_transports: [compressed])')
+    add('--jpeg-quality', type=int, default=JPEG_QUALITY,
+        help='jpeg quality 1..100 with --camera-transport compressed (OpenCV default 95)')
     add('--joint-rate', type=float, default=100.0, help='Hz')
     add('--joint-topic', default='/joint_states')
     add('--duration', type=float, default=60.0, help='measured seconds')
@@ -516,6 +560,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == 'publish':
         return run_publisher(args)
+    if not 1 <= args.jpeg_quality <= 100:
+        raise SystemExit(f'--jpeg-quality: expected 1..100, got {args.jpeg_quality}')
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
     if args.dds_profile == 'none':
         os.environ.pop('FASTDDS_DEFAULT_PROFILES_FILE', None)
@@ -550,7 +596,9 @@ def main(argv=None) -> int:
         name = f'cameras{i // per}'
         processes[name] = Process(name, me + [
             '--rate', str(args.camera_rate), '--height', str(args.height),
-            '--width', str(args.width), '--cameras', *group], workdir / f'{name}.log', stats=True)
+            '--width', str(args.width), '--transport', args.camera_transport,
+            '--jpeg-quality', str(args.jpeg_quality), '--cameras', *group],
+            workdir / f'{name}.log', stats=True)
     processes['joint_states'] = Process('joint_states', me + [
         '--rate', str(args.joint_rate), '--joint-topic', args.joint_topic,
         '--joints', *joints], workdir / 'joint_states.log', stats=True)
@@ -613,7 +661,7 @@ def run_benchmark(args, recorder, processes, out) -> int:
     chunks = recorder.chunks_between(start, end)
     results['per_chunk'] = {key: [c.get(key) for c in chunks] for key in (
         'tick', 'publish_jitter_ms', 'observation_age_ms', 'inference_ms', 'dropped',
-        'frames_decoded') + DELAY_KEYS}
+        'frames_decoded', 'decode_ms') + DELAY_KEYS}
     run = {**common.provenance(), 'ros_domain_id': os.environ.get('ROS_DOMAIN_ID'),
            'fastdds_default_profiles_file': os.environ.get('FASTDDS_DEFAULT_PROFILES_FILE'),
            'config': {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -13,13 +13,17 @@
 #   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh          # full size, CUDA
 #   bash benchmarks/h200_node_jitter.sh --check-only          # wheels + import check only
 #   PY=.venv/bin/python bash benchmarks/h200_node_jitter.sh --skip-wheel-install --tiny-cpu
+#   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh --camera-transport compressed
 #
 # Options: --skip-wheel-install (use $PY, default python3, as it is: it must import rclpy),
 # --check-only (stop after the import check), --tiny-cpu (tiny model on the CPU, small
 # frames, 60 s unless DURATION is set: checks the script's logic on a CI box),
 # --image-transport (first run benchmarks/benchmark_image_transport.py with the same camera
 # load, without and with DDS_PROFILE: receive ratio and image age, no model);
-# anything else is passed on to the benchmark (later flags override the defaults below).
+# anything else is passed on to the benchmark (later flags override the defaults below), e.g.
+# --camera-transport compressed (default raw): the cameras publish the same frames as jpeg
+# sensor_msgs/CompressedImage on <topic>/compressed (--jpeg-quality, default 95) and the node
+# decodes them; the table's decode rows (ms per chunk and per frame) give that cost.
 # Environment (defaults): OUT (benchmarks/out), DURATION (300 s), WARMUP (15 s),
 # CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (77),
 # VENV (/tmp/rosvenv), PYTHON (python3), DDS_PROFILE (config/fastdds_large_images.xml, exported

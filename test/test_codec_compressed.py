@@ -1,12 +1,13 @@
 """sensor_msgs/CompressedImage (image_transport 'compressed', jpeg / png) -> uint8 RGB, with the
-same bad-input rules as raw images: a corrupt frame is refused, named, and raises ValueError."""
+same bad-input rules as raw images: a corrupt frame is refused, named, and raises ValueError;
+and the publishers' encoder (`rgb_to_jpeg`, data for format JPEG_FORMAT)."""
 from types import SimpleNamespace
 
 import cv2
 import numpy as np
 import pytest
 
-from molmobot_policy.ros.codec import compressed_to_rgb
+from molmobot_policy.ros.codec import JPEG_FORMAT, compressed_to_rgb, rgb_to_jpeg
 
 RGB = np.zeros((4, 6, 3), np.uint8)
 RGB[:, :3] = (200, 20, 10)       # reddish left half
@@ -56,3 +57,25 @@ def test_unsupported_format_is_refused_naming_it(fmt):
 def test_empty_data_is_refused():
     with pytest.raises(ValueError, match='no data'):
         compressed_to_rgb(SimpleNamespace(format='jpeg', data=b''), '/cam0')
+
+
+def test_the_encoder_writes_jpeg_in_bgr_order_as_its_format_says():
+    big = np.repeat(np.repeat(RGB, 16, axis=0), 16, axis=1)
+    data = rgb_to_jpeg(big, quality=95)
+    assert data[:2] == b'\xff\xd8'                          # a JPEG start-of-image marker
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)   # OpenCV: BGR
+    assert np.abs(bgr[8:-8, 8:40].astype(int) - (10, 20, 200)).max() <= 12
+    assert JPEG_FORMAT.endswith('compressed bgr8')
+    out = compressed_to_rgb(SimpleNamespace(format=JPEG_FORMAT, data=data))
+    assert np.abs(out[8:-8, 8:40].astype(int) - (200, 20, 10)).max() <= 12
+
+
+@pytest.mark.parametrize('frame, quality, match', [
+    (np.zeros((4, 6), np.uint8), 95, 'frame: expected uint8'),
+    (np.zeros((4, 6, 3), np.float32), 95, 'frame: expected uint8'),
+    (np.zeros((0, 6, 3), np.uint8), 95, 'frame: expected uint8'),
+    (RGB, 0, 'quality: expected 1..100'),
+    (RGB, 101, 'quality: expected 1..100')])
+def test_the_encoder_refuses_bad_frames_and_qualities(frame, quality, match):
+    with pytest.raises(ValueError, match=match):
+        rgb_to_jpeg(frame, quality)

@@ -1,6 +1,7 @@
 """The node's wiring in this process (its own rclpy context, a stand-in engine, a peer node
-publishing two cameras and the joint state): ~/chunk_info per chunk, its delay clues only
-with debug_timing, and /diagnostics naming every input."""
+publishing two cameras and the joint state): ~/chunk_info per chunk (the frames decoded and
+their decode time), its delay clues only with debug_timing, and /diagnostics naming every
+input."""
 from __future__ import annotations
 
 import math
@@ -103,7 +104,14 @@ def test_chunk_info_without_debug_timing_has_no_delay_clues(graph):
     g = graph('chunk_info_plain')
     assert g.wait_for(lambda: len(g.infos) >= 2)
     assert all(not set(ChunkInfo.DELAY) & set(info) for info in g.infos)
+
+
+def test_chunk_info_reports_the_frames_decoded_and_their_decode_time(graph):
+    g = graph('chunk_info_decode')
+    assert g.wait_for(lambda: len(g.infos) >= 2)
+    # the peer publishes faster than the chunk period: every chunk decodes fresh frames
     assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos)
+    assert all(float(info[ChunkInfo.DECODE_MS]) > 0.0 for info in g.infos)
 
 
 def test_chunk_info_with_debug_timing_has_the_delay_clues(graph):

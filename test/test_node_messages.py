@@ -53,24 +53,26 @@ def test_the_float_array_is_action_by_joint_row_major():
 
 
 def test_chunk_info_without_debug_timing_has_no_delay_keys():
-    info = chunk_info(_report(), 'policy', frames_decoded=8)
+    info = chunk_info(_report(), 'policy', frames_decoded=8, decode_s=0.0123456)
     values = {kv.key: kv.value for kv in info.values}
     assert (info.name, info.hardware_id, info.message) == ('policy: chunk', 'policy', 'chunk 9')
     assert set(values) == {ChunkInfo.TICK, ChunkInfo.OBSERVATION_SEQ,
                            ChunkInfo.OBSERVATION_STAMP, ChunkInfo.OBSERVATION_AGE_MS,
                            ChunkInfo.INFERENCE_MS, ChunkInfo.PUBLISH_JITTER_MS,
                            ChunkInfo.POINTS, ChunkInfo.DROPPED, ChunkInfo.FRAMES_DECODED,
-                           ChunkInfo.FIRST_ACTION, ChunkInfo.VELOCITY_LIMITED,
-                           ChunkInfo.POSITION_CLIPPED, ChunkInfo.START_OFFSET}
+                           ChunkInfo.DECODE_MS, ChunkInfo.FIRST_ACTION,
+                           ChunkInfo.VELOCITY_LIMITED, ChunkInfo.POSITION_CLIPPED,
+                           ChunkInfo.START_OFFSET}
     assert values[ChunkInfo.TICK] == '12' and values[ChunkInfo.POINTS] == '4'
     assert float(values[ChunkInfo.OBSERVATION_STAMP]) == 1234.3
     assert values[ChunkInfo.FRAMES_DECODED] == '8' and values[ChunkInfo.DROPPED] == '2'
+    assert values[ChunkInfo.DECODE_MS] == '12.346'          # ms, 3 decimals
     assert values[ChunkInfo.FIRST_ACTION] == '[0.000, 0.143, 0.286]'
 
 
 def test_chunk_info_with_debug_timing_carries_the_delay_clues_in_ms():
     info = chunk_info(_report(DelayClues(wake_late=0.0021, runqueue_wait=None,
-                                         publish_call=0.00005)), 'policy', 8)
+                                         publish_call=0.00005)), 'policy', 8, 0.0)
     values = {kv.key: kv.value for kv in info.values}
     assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050']
 
@@ -80,6 +82,6 @@ def test_chunk_info_carries_the_motion_limits_counts():
                          observation_age_ms=1.0, inference_ms=1.0, publish_jitter_ms=0.0,
                          positions=_chunk().positions, dropped=0, count=1, velocity_limited=5,
                          position_clipped=2, start_offset=1.98761)
-    values = {kv.key: kv.value for kv in chunk_info(report, 'policy', 8).values}
+    values = {kv.key: kv.value for kv in chunk_info(report, 'policy', 8, 0.0).values}
     assert (values[ChunkInfo.VELOCITY_LIMITED], values[ChunkInfo.POSITION_CLIPPED],
             values[ChunkInfo.START_OFFSET]) == ("5", "2", "1.9876")

@@ -1,4 +1,5 @@
 """ros/synchronizer.py: latest-message store, staleness, joint matching by name, monotonicity."""
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -164,6 +165,37 @@ def test_frames_are_decoded_lazily_and_only_when_used():
     sync.build(now=10.3, max_image_age=1.0, max_state_age=1.0)
     assert decoded == list(CAMERAS)      # newest frames only, each decoded once
     assert (sync.frames_decoded, sync.last_build_decoded) == (len(CAMERAS), 0)   # counted
+
+
+def test_decode_time_covers_the_decoding_and_is_zero_when_nothing_was_decoded():
+    spent = []
+
+    def decode(msg, topic):        # measures its own duration, as the synchronizer should
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.002:
+            pass
+        spent.append(time.perf_counter() - began)
+        return np.zeros((1, 1, 3), np.uint8)
+
+    sync = _sync(decode=decode)
+    assert sync.last_build_decode_s == 0.0
+    _fill(sync, stamp=10.0)
+    sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert len(spent) == len(CAMERAS)
+    assert sync.last_build_decode_s >= sum(spent)
+    sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)    # the decoded frames reused
+    assert (sync.last_build_decoded, sync.last_build_decode_s) == (0, 0.0)
+    _fill(sync, stamp=10.3)
+    sync.build(now=10.4, max_image_age=1.0, max_state_age=1.0)
+    assert sync.last_build_decode_s >= sum(spent[len(CAMERAS):]) > 0.0
+    sync.build(now=20.0, max_image_age=1.0, max_state_age=1.0)    # stale: a skip, no decode
+    assert sync.last_build_decode_s == 0.0
+
+
+def test_decode_time_counts_a_frame_that_failed_to_decode():
+    sync = _with_undecodable_frame(CAMERAS[1])
+    assert isinstance(sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0), Skip)
+    assert sync.last_build_decoded == len(CAMERAS) and sync.last_build_decode_s > 0.0
 
 
 def _with_undecodable_frame(camera):

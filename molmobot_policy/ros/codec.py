@@ -1,7 +1,8 @@
-"""sensor_msgs/Image -> uint8 RGB frame, the only image format the model side accepts.
+"""sensor_msgs/Image or CompressedImage -> uint8 RGB frame, the only image format the model
+side accepts; and the reverse for publishers (`rgb_to_jpeg`: the sim robot, the benchmarks).
 
-Pure function on a duck-typed message (fields `height`, `width`, `encoding`, `step`,
-`data`), so unit tests need no ROS graph. Encoding names are those of ROS REP 118 /
+Pure functions on duck-typed messages (fields `height`, `width`, `encoding`, `step`,
+`data`; or `format`, `data`), so unit tests need no ROS graph. Encoding names are those of ROS REP 118 /
 `sensor_msgs/image_encodings.hpp`. Only 8-bit encodings are supported, for which
 `is_bigendian` does not matter.
 """
@@ -109,6 +110,34 @@ def compressed_to_rgb(msg, topic: str = '') -> np.ndarray:
     if after.strip().lower().startswith('rgb'):     # pixels were compressed in RGB order
         return np.ascontiguousarray(pixels)
     return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB)
+
+
+JPEG_FORMAT = 'rgb8; jpeg compressed bgr8'   # CompressedImage.format of `rgb_to_jpeg`'s data
+
+
+def rgb_to_jpeg(frame: np.ndarray, quality: int = 95) -> bytes:
+    """Encode an RGB frame as the `data` of a sensor_msgs/CompressedImage whose `format` is
+    JPEG_FORMAT (image_transport's `compressed` plugin: jpeg of the frame in bgr8 order).
+
+    Args:
+        frame: np.uint8 (height, width, 3), RGB order.
+        quality: jpeg quality, 1..100 (OpenCV's IMWRITE_JPEG_QUALITY; 95 is its default).
+
+    Raises:
+        ValueError: `frame` not uint8 (H, W, 3) of positive size, or `quality` outside 1..100.
+        RuntimeError: OpenCV failed to encode the frame.
+    """
+    frame = np.asarray(frame)
+    if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3 or not frame.size:
+        raise ValueError(f'frame: expected uint8 (height, width, 3) RGB, got {frame.dtype} '
+                         f'{frame.shape}')
+    if not 1 <= int(quality) <= 100:
+        raise ValueError(f'quality: expected 1..100, got {quality!r}')
+    ok, data = cv2.imencode('.jpg', cv2.cvtColor(frame, cv2.COLOR_RGB2BGR),
+                            [cv2.IMWRITE_JPEG_QUALITY, int(quality)])
+    if not ok:
+        raise RuntimeError(f'jpeg encoding failed for a {frame.shape} frame')
+    return data.tobytes()
 
 
 def decode_image(msg, topic: str = '') -> np.ndarray:

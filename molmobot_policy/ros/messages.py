@@ -30,6 +30,7 @@ class ChunkInfo:
     POINTS = 'points'
     DROPPED = 'dropped'                     # actions in the past at publish time
     FRAMES_DECODED = 'frames_decoded'       # camera frames decoded for this chunk
+    DECODE_MS = 'decode_ms'                 # their decode wall time (before inference_ms)
     FIRST_ACTION = 'first_action'           # `format_action` of the first point
     VELOCITY_LIMITED = 'velocity_limited'   # (point, joint) values moved by max_joint_velocity
     POSITION_CLIPPED = 'position_clipped'   # ... by joint_position_min / _max
@@ -98,9 +99,12 @@ def _ms(seconds) -> str:
     return '' if seconds is None else f'{seconds * 1e3:.3f}'
 
 
-def chunk_info(report: ChunkReport, name: str, frames_decoded: int) -> DiagnosticStatus:
+def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
+               decode_s: float) -> DiagnosticStatus:
     """~/chunk_info for one published chunk: level OK, name '<name>: chunk', the
-    `ChunkInfo` keys; the delay keys only when the report carries delay clues."""
+    `ChunkInfo` keys; the delay keys only when the report carries delay clues.
+    `frames_decoded` camera frames were decoded for the chunk's observation, in `decode_s` s
+    (reported as decode_ms, 3 decimals)."""
     values = {
         ChunkInfo.TICK: report.tick, ChunkInfo.OBSERVATION_SEQ: report.observation_seq,
         ChunkInfo.OBSERVATION_STAMP: f'{report.observation_stamp:.6f}',
@@ -108,7 +112,7 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int) -> Diagnosti
         ChunkInfo.INFERENCE_MS: f'{report.inference_ms:.1f}',
         ChunkInfo.PUBLISH_JITTER_MS: f'{report.publish_jitter_ms:.3f}',
         ChunkInfo.POINTS: len(report.positions), ChunkInfo.DROPPED: report.dropped,
-        ChunkInfo.FRAMES_DECODED: frames_decoded,
+        ChunkInfo.FRAMES_DECODED: frames_decoded, ChunkInfo.DECODE_MS: _ms(decode_s),
         ChunkInfo.FIRST_ACTION: format_action(report.positions[0]),
         ChunkInfo.VELOCITY_LIMITED: report.velocity_limited,
         ChunkInfo.POSITION_CLIPPED: report.position_clipped,

@@ -15,7 +15,7 @@ class LoopReport(LoopEvents):
         node: the PolicyNode (its logger, name, `chunks_published_total`).
         chunk_info: the ~/chunk_info publisher.
         sync: the ObservationSynchronizer (`reset_history` after a clock jump back,
-            `last_build_decoded` per chunk).
+            `last_build_decoded` and `last_build_decode_s` per chunk).
         watchdog: the timing.OutputWatchdog behind the 'output' status.
         now: () -> ROS time, s.
     """
@@ -55,7 +55,8 @@ class LoopReport(LoopEvents):
         node.chunks_published_total += 1
         self._watchdog.published(self._now())
         self._publisher.publish(messages.chunk_info(report, node.get_name(),
-                                                    self._sync.last_build_decoded))
+                                                    self._sync.last_build_decoded,
+                                                    self._sync.last_build_decode_s))
         limited = ''
         if report.velocity_limited or report.position_clipped:
             began = ('' if report.start_offset != report.start_offset    # nan: none anchored

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -42,7 +43,7 @@ class Skip:
 
 @dataclass
 class _Frame:
-    msg: object          # the raw sensor_msgs/Image (decoded only when used)
+    msg: object          # sensor_msgs/Image or CompressedImage (decoded only when used)
     stamp: float         # header stamp, s
     received: float      # receive time, s (node clock)
     decoded: np.ndarray | None = None
@@ -91,6 +92,8 @@ class ObservationSynchronizer:
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
         last_build_decoded: of those, by the latest `build` (worker thread only).
+        last_build_decode_s: wall time (time.perf_counter) the latest `build` spent in
+            `decode`, s; 0.0 when it decoded nothing (frames already decoded are reused).
 
     Raises:
         ValueError: empty or duplicated camera topics or joint names, max_future < 0.
@@ -132,16 +135,14 @@ class ObservationSynchronizer:
         self._refused: dict[str, str] = {}         # per input, why its last message was not stored
         self._problem_since: dict[str, float] = {}  # per input, when its problem began
         self._seq = 0
-        self.frames_decoded = 0
-        self.last_build_decoded = 0
+        self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
 
     # ----------------------------------------------------------------- store (callbacks)
     def add_image(self, topic: str, msg, stamp: float, received: float) -> bool:
         """Store `msg` as the newest frame of `topic` unless it is older than the stored one.
 
         Args:
-            topic: one of `camera_topics`.
-            msg: the raw image message (kept undecoded).
+            topic: one of `camera_topics`. msg: the image message (kept undecoded).
             stamp: its header stamp, s. received: receive time, s.
 
         Returns:
@@ -334,7 +335,7 @@ class ObservationSynchronizer:
             undecodable camera topic and missing or stale joint. Never returns an
             observation that uses an input older than one used by an earlier observation.
         """
-        self.last_build_decoded = 0
+        self.last_build_decoded, self.last_build_decode_s = 0, 0.0
         with self._lock:
             frames = {t: self._frames.get(t) for t in self.camera_topics}
             joints = {n: self._joints.get(n) for n in self.joint_names}
@@ -392,17 +393,19 @@ class ObservationSynchronizer:
             if frame.decoded is None:
                 self.frames_decoded += 1
                 self.last_build_decoded += 1
+                began, error = time.perf_counter(), None
                 try:
                     frame.decoded = self._decode(frame.msg, topic)
-                except ValueError as error:
+                except ValueError as bad:
+                    error = bad
+                self.last_build_decode_s += time.perf_counter() - began
+                with self._lock:
+                    self._note_problem(self._problems, topic,
+                                       f'newest frame refused: {error}' if error else '', now)
+                if error is not None:
                     reasons.append(str(error))
                     topics.append(topic)
-                    with self._lock:
-                        self._note_problem(self._problems, topic,
-                                           f'newest frame refused: {error}', now)
                     continue
-                with self._lock:
-                    self._note_problem(self._problems, topic, '', now)
             images.append(frame.decoded)
         if reasons:
             return Skip(tuple(reasons), tuple(topics))

@@ -23,7 +23,6 @@ import math
 import threading
 import time
 
-import cv2
 import rclpy
 from rclpy._rclpy_pybind11 import RCLError
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
@@ -32,6 +31,7 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
+from molmobot_policy.ros import codec
 from molmobot_policy.ros.parameters import descriptor
 from molmobot_policy.sim import trajectory
 from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
@@ -217,11 +217,8 @@ class SimRobotNode(Node):
         return msg
 
     def _compressed_message(self, frame, stamp, frame_id: str) -> CompressedImage:
-        ok, data = cv2.imencode('.jpg', cv2.cvtColor(frame, cv2.COLOR_RGB2BGR),
-                                [cv2.IMWRITE_JPEG_QUALITY, int(self._jpeg_quality)])
-        if not ok:
-            raise RuntimeError(f'jpeg encoding failed for a {frame.shape} frame')
-        msg = CompressedImage(format='rgb8; jpeg compressed bgr8', data=data.tobytes())
+        msg = CompressedImage(format=codec.JPEG_FORMAT,
+                              data=codec.rgb_to_jpeg(frame, self._jpeg_quality))
         msg.header.stamp = stamp
         msg.header.frame_id = frame_id
         return msg
