@@ -223,6 +223,9 @@ def test_random_weights_are_logged_at_every_start_and_on_diagnostics(graph):
     assert 'serving RANDOM WEIGHTS (preset tiny, seed 3)' in g.log.text('info')   # active
     assert g.wait_for(lambda: g.status('inference') is not None)
     assert _values(g.status('inference'))['weights'] == 'RANDOM WEIGHTS (preset tiny, seed 3)'
+    assert _level(g.status('inference')) == DiagnosticStatus.WARN
+    assert g.status('inference').message == ('serving RANDOM WEIGHTS (preset tiny, seed 3): '
+                                             'actions are noise')
 
 
 @pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(), reason=MISSING)

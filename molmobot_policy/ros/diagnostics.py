@@ -17,7 +17,8 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   than that (age > 2 x max_*_age: a dead camera or joint state publisher); WARN for a newer
   problem, a stale message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
 - `InferenceTask`: WARN / ERROR when the inference p99 exceeds diag_inference_warn_ms /
-  diag_inference_error_ms; carries what is served (checkpoint and weights fingerprint, or
+  diag_inference_error_ms; at least WARN, naming them, while RANDOM WEIGHTS are served (a
+  monitor that reads only levels must not see an untrained model as OK); carries what is served (checkpoint and weights fingerprint, or
   RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 exceeds diag_jitter_warn_ms /
   diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
@@ -35,6 +36,8 @@ from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
+
+from molmobot_policy.ros.serving import serves_random_weights
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -198,8 +201,13 @@ class InferenceTask(DiagnosticTask):
         p99 = summary['p99']
         level = _level(p99, self._parameter('diag_inference_warn_ms'),
                        self._parameter('diag_inference_error_ms'))
-        stat.summary(level, {OK: 'ok', WARN: f'inference p99 {p99:.0f} ms slow',
-                             ERROR: f'inference p99 {p99:.0f} ms too slow'}[level])
+        message = {OK: 'ok', WARN: f'inference p99 {p99:.0f} ms slow',
+                   ERROR: f'inference p99 {p99:.0f} ms too slow'}[level]
+        if serves_random_weights(self._served):     # never OK: the actions are noise
+            random = f'serving {self._served}: actions are noise'
+            message = random if level == OK else f'{message}; {random}'
+            level = max(level, WARN)
+        stat.summary(level, message)
         add_summary_ms(stat, 'inference', summary)
         stat.add('weights', self._served)
         if self._latency is not None:

@@ -42,7 +42,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
-                                         served_weights)
+                                         served_weights, serves_random_weights)
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
 from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, freeze_heap,
                                     latency_estimator, unfreeze_heap)
@@ -184,7 +184,7 @@ class PolicyNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def _log_served(self) -> None:
-        if self.served.startswith('RANDOM'):
+        if serves_random_weights(self.served):
             self.get_logger().warning(f'serving {self.served}: allow_random_weights is true; '
                                       'the actions are noise, not a trained policy')
         else:
