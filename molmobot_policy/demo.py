@@ -240,9 +240,10 @@ class Monitor:
                      f'inference: {_percentiles(self.inference_ms)}',
                      f'publish jitter: {_percentiles(self.jitter_ms)}',
                      'diagnostics at WARN/ERROR at the end: ' + (
-                         f'{not_ok} (on a small, busy CPU the tiny model can exceed the '
-                         f'latency and jitter thresholds of the policy parameter file, e.g. '
-                         f'config/policy_tiny.yaml; /diagnostics names the values)'
+                         f'{not_ok} (inference is WARN because the demo serves random '
+                         f'weights; on a small, busy CPU the tiny model can also exceed the '
+                         f'latency and jitter thresholds of config/policy_tiny.yaml; '
+                         f'/diagnostics names the values)'
                          if not_ok else 'none')]
         return '\n'.join('demo: ' + line for line in lines)
 
