@@ -274,9 +274,11 @@ def test_diagnostics_keep_coming_while_configure_blocks_the_executor(graph):
 
     def inactive():
         status = g.status('output')
-        return status is not None and status.message.startswith('inactive (configured)') \
+        return status is not None and status.message.startswith('inactive (configured') \
             and _level(status) == DiagnosticStatus.WARN
     assert g.wait_for(inactive, 10.0)
+    # configured with random weights: said while inactive too, not only once active
+    assert 'serving RANDOM WEIGHTS' in g.status('output').message
 
 
 @pytest.mark.parametrize('ending', ['error', 'shutdown'])

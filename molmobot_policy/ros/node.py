@@ -200,7 +200,9 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
                                       'run time)')
-        self._idle((WARN, 'inactive (configured): no commands are sent until activated'))
+        random = f', serving {self.served}' if serves_random_weights(self.served) else ''
+        self._idle((WARN, f'inactive (configured{random}): no commands are sent until '
+                          'activated'))
         return TransitionCallbackReturn.SUCCESS
 
     def _log_served(self) -> None:
