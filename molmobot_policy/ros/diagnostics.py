@@ -170,10 +170,12 @@ class InputTask(DiagnosticTask):
         elif stats.age is None:
             stat.summary(ERROR, 'no usable message received')
         elif stats.age > 2 * max_age:      # stale for longer than its max age: a dead input
-            stat.summary(ERROR, f'stale: age {stats.age:.3f} s > {max_age:.3f} s for '
-                                f'{stats.age - max_age:.1f} s (longer than {self._max_age})')
+            stat.summary(ERROR, f'stale{_which(stats, max_age)}: age {stats.age:.3f} s > '
+                                f'{max_age:.3f} s for {stats.age - max_age:.1f} s (longer than '
+                                f'{self._max_age})')
         elif stats.age > max_age:
-            stat.summary(WARN, f'stale: age {stats.age:.3f} s > {max_age:.3f} s')
+            stat.summary(WARN, f'stale{_which(stats, max_age)}: age {stats.age:.3f} s > '
+                               f'{max_age:.3f} s')
         elif stats.rate_hz < min_rate:
             stat.summary(WARN, f'rate {stats.rate_hz:.1f} Hz < {min_rate:.1f} Hz')
         else:
@@ -285,6 +287,14 @@ def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], t
     updater.setHardwareID(node.get_name())
     updater.add(IdleOutputTask(state))
     return updater
+
+
+def _which(stats, max_age: float) -> str:
+    """' for joints [...]' when only some joints of a joint state topic are stale (their
+    driver may have stopped publishing them), else ''."""
+    ages = stats.joint_ages or {}
+    stale = [name for name, age in ages.items() if age > max_age]
+    return f' for joints {stale}' if stale and len(stale) < len(ages) else ''
 
 
 class Heartbeat:

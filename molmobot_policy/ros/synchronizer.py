@@ -63,6 +63,8 @@ class TopicStats:
             joints never sent); '' when none.
         problem_age: s the problem has lasted without a usable message in between (None
             without a problem, or for joints never sent).
+        joint_ages: the joint state topic only: s since each configured joint's newest
+            stamp (a joint its driver stopped publishing is older than the rest); else None.
     """
 
     rate_hz: float
@@ -70,6 +72,7 @@ class TopicStats:
     count: int
     problem: str = ''
     problem_age: float | None = None
+    joint_ages: dict[str, float] | None = None
 
 
 class ObservationSynchronizer:
@@ -452,11 +455,13 @@ class ObservationSynchronizer:
                     seen = [self._joints.get(n) for n in self.joint_names]
                     age = None if None in seen else now - min(j[1] for j in seen)
                     never = [n for n, j in zip(self.joint_names, seen) if j is None]
+                    ages = {n: now - j[1] for n, j in zip(self.joint_names, seen) if j}
                     if never and self._counts[topic] and not problem:
                         problem = f'joints {never} never received'
                 else:
                     frame = self._frames.get(topic)
-                    age = None if frame is None else now - frame.stamp
+                    age, ages = (None if frame is None else now - frame.stamp), None
                 result[topic] = TopicStats(rate, age, self._counts[topic], problem,
-                                           None if since is None else max(now - since, 0.0))
+                                           None if since is None else max(now - since, 0.0),
+                                           ages)
             return result
