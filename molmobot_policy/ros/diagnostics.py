@@ -230,7 +230,8 @@ class InferenceTask(DiagnosticTask):
 
 class ScheduleTask(DiagnosticTask):
     """The schedule: `stats` a `timing.LoopStats`, `gc_pauses` a `timing.GcPauses`,
-    `frames_decoded()` -> camera frames decoded so far. Clears `stats.last_skip`."""
+    `frames_decoded()` -> camera frames decoded so far. WARN naming `stats.last_skip` while
+    ticks are skipped (the loop clears it when a chunk is published)."""
 
     def __init__(self, stats, gc_pauses, frames_decoded: Callable[[], int],
                  parameter: Callable[[str], object]) -> None:
@@ -250,7 +251,6 @@ class ScheduleTask(DiagnosticTask):
             stat.summary(WARN, f'last skip: {stats.last_skip}')
         else:
             stat.summary(OK, 'ok')
-        stats.last_skip = ''
         add_summary_ms(stat, 'publish_jitter', jitter)
         add_summary_ms(stat, 'sensor_to_publish_age', stats.age_ms.summary())
         for key in ('chunks_published', 'deadline_misses', 'dropped_actions', 'skipped_ticks',
