@@ -302,7 +302,7 @@ def test_the_configure_heartbeat_stops_when_configure_fails_or_is_shut_down(grap
     if ending == 'error':
         assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
         assert 'CUDA out of memory' in g.log.text('error')
-        assert g.policy._idle_state[0] == DiagnosticStatus.ERROR
+        assert g.policy._idle.state[0] == DiagnosticStatus.ERROR
     else:
         with pytest.raises(KeyboardInterrupt):
             g.policy.trigger_configure()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import contextmanager
 import time
 from typing import Callable
 
@@ -295,6 +296,53 @@ def _which(stats, max_age: float) -> str:
     ages = stats.joint_ages or {}
     stale = [name for name, age in ages.items() if age > max_age]
     return f' for joints {stale}' if stale and len(stale) < len(ages) else ''
+
+
+class IdleStatus:
+    """The 'output' status while the node is not active (`idle_updater` of `state`, created
+    on the first `set`), and the configure heartbeat.
+
+    Args:
+        node: the rclpy node. parameter: name -> the node parameter's value.
+    """
+
+    def __init__(self, node, parameter: Callable[[str], object]) -> None:
+        self._node, self._parameter = node, parameter
+        self._updater: Updater | None = None
+        self.state: tuple = (WARN, '')      # (level, message)
+
+    def set(self, level, message: str) -> None:
+        """Publish (level, message) from now on (every diagnostics_period)."""
+        self.state = (level, message)
+        if self._updater is None:
+            self._updater = idle_updater(self._node, self._parameter, lambda: self.state)
+
+    def step(self, text: str) -> None:
+        """OK 'configuring: <text>'."""
+        self.set(OK, f'configuring: {text}')
+
+    def stop(self) -> None:
+        """Stop publishing (activate: the full diagnostics take over; destroy)."""
+        if self._updater is not None:
+            self._updater.destroy()
+            self._updater = None
+
+    @contextmanager
+    def configuring(self, first_step: str):
+        """Within: OK 'configuring: <step>' published by a `Heartbeat` thread (configure
+        blocks the executor, so the updater's timer cannot fire). Left while still
+        'configuring' (an exception: shutting down): WARN 'configure interrupted'."""
+        self.step(first_step)
+        heartbeat = Heartbeat(self._updater, self._parameter('diagnostics_period'),
+                              name=f'{self._node.get_name()} configure heartbeat').start()
+        try:
+            yield
+        finally:
+            heartbeat.stop()
+            if self.state[1].startswith('configuring: '):
+                # the node may be destroyed already: set the state, create no updater
+                self.state = (WARN, 'configure interrupted (shutting down): no commands are '
+                                    'sent')
 
 
 class Heartbeat:
