@@ -345,7 +345,8 @@ def _run(args, processes: list, monitor: Monitor, node, executor) -> str | None:
 
 
 def _phase(node, monitor: Monitor) -> str:
-    on_graph = ('molmobot_policy', '/') in node.get_node_names_and_namespaces()
+    namespace, name = NODE_FQN.rsplit('/', 1)
+    on_graph = (name, namespace or '/') in node.get_node_names_and_namespaces()
     with monitor.lock:
         joint_states = bool(monitor.joint_times)
     return startup_phase(on_graph, joint_states)

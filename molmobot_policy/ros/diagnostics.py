@@ -21,7 +21,7 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   monitor that reads only levels must not see an untrained model as OK); carries what is served (checkpoint and weights fingerprint, or
   RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 exceeds diag_jitter_warn_ms /
-  diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
+  diag_jitter_error_ms, WARN with the last skip reason while ticks are skipped; the
   loop's counters, sensor-to-publish age and garbage-collector pauses.
 - `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
   they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import contextmanager
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
 
 from molmobot_policy.ros.serving import serves_random_weights
+from molmobot_policy.ros.synchronizer import stale_while_others_current
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -291,11 +292,10 @@ def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], t
 
 
 def _which(stats, max_age: float) -> str:
-    """' for joints [...]' when only some joints of a joint state topic are stale (their
-    driver may have stopped publishing them), else ''."""
-    ages = stats.joint_ages or {}
-    stale = [name for name, age in ages.items() if age > max_age]
-    return f' for joints {stale}' if stale and len(stale) < len(ages) else ''
+    """' for joints [...]' when only some joints of a joint state topic are stale
+    (`stale_while_others_current`), else ''."""
+    stale = stale_while_others_current(stats.joint_ages or {}, max_age)
+    return f' for joints {stale}' if stale else ''
 
 
 class IdleStatus:

@@ -25,6 +25,14 @@ from molmobot_policy.ros.codec import decode_image
 from molmobot_policy.types import Observation
 
 
+def stale_while_others_current(ages: dict[str, float], max_age: float) -> list[str]:
+    """The joints of `ages` (s since each joint's newest header stamp, one joint state topic)
+    older than `max_age` while another joint on it is current: a joint its driver stopped
+    publishing, not a late topic. [] when none is stale or none is current."""
+    stale = [name for name, age in ages.items() if age > max_age]
+    return stale if stale and len(stale) < len(ages) else []
+
+
 @dataclass(frozen=True)
 class Skip:
     """Why no observation could be built for this tick.
@@ -270,10 +278,9 @@ class ObservationSynchronizer:
         """'<stale>: age <s> > max_state_age <s>', asking whether they are still published
         when other joints of the topic are current (a dropped joint, not a late topic)."""
         with self._lock:
-            joints = dict(self._joints)
-        age = max(now - joints[n][1] for n in stale)
-        limit = f'age {age:.3f} s > max_state_age {max_age:.3f} s'
-        if not any(0.0 <= now - j[1] <= max_age for n, j in joints.items() if n not in stale):
+            ages = {n: now - j[1] for n, j in self._joints.items()}
+        limit = f'age {max(ages[n] for n in stale):.3f} s > max_state_age {max_age:.3f} s'
+        if not stale_while_others_current(ages, max_age):
             return f'{stale}: {limit}'
         return (f'{stale} ({limit}) while other joints on it are current: is '
                 f"{'that joint' if len(stale) == 1 else 'those joints'} still published?")
