@@ -578,3 +578,30 @@ def test_a_refused_measurement_skips_the_tick_before_stitching():
     assert robot.sent == []
     assert recorder.skips and "['j3']" in recorder.skips[0][1]
     assert stitcher.previous is None
+
+
+def test_the_lead_covers_building_the_observation_as_well_as_inference():
+    """Decoding the frames (observe, 30 ms here: 8 jpeg frames decode in ~50 ms on one core)
+    runs before inference (50 ms) between the tick's start and its deadline: the lead is
+    measured over both, else every chunk is late by the decode time."""
+    from molmobot_policy.timing.loop import LATENCY_MARGIN, SETTLE_SAMPLES
+
+    def slow_observe(robot):
+        def call(now):
+            robot.clock.t += 0.03
+            return Robot.observe(robot, now)
+        return call
+
+    def slow_predict(robot):
+        def call(observation):
+            robot.clock.t += 0.05
+            return Robot.predict(robot, observation)
+        return call
+    loop, robot, recorder = run(chunks=SETTLE_SAMPLES + 8,
+                                robot_changes={'observe': slow_observe,
+                                               'predict': slow_predict})
+    assert loop.latency.estimate() == pytest.approx(0.08, abs=1e-3)
+    assert loop.latency.lead() == pytest.approx(0.08 * LATENCY_MARGIN, abs=1e-3)
+    sent = [t for t, _ in robot.sent[SETTLE_SAMPLES + 2:]]
+    deadlines = [loop.scheduler.deadline(r.tick) for r in recorder.reports[SETTLE_SAMPLES + 2:]]
+    assert all(abs(t - d) < 0.005 for t, d in zip(sent, deadlines))

@@ -2,8 +2,9 @@
 
 Timing model (DESIGN.md, "Timing model"): ticks come from a `DeadlineScheduler` with the
 deadlines `t0 + k * chunk_period` (seconds, the injected clock: ROS time, so sim time
-works). Inference for a tick starts `lead` seconds before its deadline, the lead being the
-measured p99 latency times a margin (`LatencyEstimator`, `latency_estimator`), capped at
+works). A tick's work (building the observation, decoding its frames, and inference) starts
+`lead` seconds before its deadline, the lead being the measured p99 of that work's wall time
+times a margin (`LatencyEstimator`, `latency_estimator`), capped at
 MAX_LEAD_FRACTION of the period; until enough samples, the engine's measured warm-up
 inference time times the margin. The worker takes the newest observation (`observe`),
 refuses one not newer than the last used (`ObservationGate`), runs `predict`, drops the
@@ -135,7 +136,7 @@ class PolicyLoop:
         debug_timing: measure `DelayClues` per chunk.
         stop_event: the event `stop()` sets and the waits block on (`threading.Event`
             interface: set, is_set, wait(timeout) -> bool); default a new Event.
-        timer: () -> float, seconds; wall clock timing `predict` for the lead.
+        timer: () -> float, seconds; wall clock timing `observe` + `predict` for the lead.
         runqueue_wait: () -> float | None, the thread's run-queue wait so far, s.
     Raises:
         ValueError: chunk_period not > 0.
@@ -286,13 +287,15 @@ class PolicyLoop:
         self._events.skipped(tick.index, reason)
 
     def _tick(self, tick: Tick) -> None:
+        # the lead covers building the observation (decoding its frames: ~6 ms per 480x640
+        # jpeg) as well as the inference: both run between the tick's start and its deadline
+        started = self._timer()
         observation = self._observe(self._now())
         if isinstance(observation, Observation) and \
                 not self._gate.accept_observation(observation):
             observation = 'observation is not newer than the last one used'
         if not isinstance(observation, Observation):
             return self._skip(tick, str(observation))
-        started = self._timer()
         try:
             chunk = self._predict(observation)
         except ValueError as error:
