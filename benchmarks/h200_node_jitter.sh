@@ -30,7 +30,8 @@
 # memory, so that the node's interpreter (the worker's GIL) sees no camera traffic (issue 19);
 # compare inference and jitter with a run without it. The CPU row node_children is the child's.
 # Environment (defaults): OUT (benchmarks/out), DURATION (300 s), WARMUP (15 s),
-# CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (77),
+# CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (100-199 from
+# the process id, so two runs on one machine do not share topics),
 # VENV (/tmp/rosvenv), PYTHON (python3), DDS_PROFILE (config/fastdds_large_images.xml, exported
 # as FASTDDS_DEFAULT_PROFILES_FILE to every process; 'none' for rmw_fastrtps_cpp's defaults).
 #
@@ -101,7 +102,7 @@ else
 fi
 
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
-export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-77}
+export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-$((100 + $$ % 100))}
 export RMW_IMPLEMENTATION=rmw_fastrtps_cpp
 if [[ $DDS_PROFILE == none ]]; then
   unset FASTDDS_DEFAULT_PROFILES_FILE

@@ -4,7 +4,9 @@ Starts two subprocesses, `molmobot_policy.sim.robot_node` (config/sim.yaml) and
 `molmobot_policy.ros.node` (config/policy_tiny.yaml), on this machine only
 (ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, ROS_DOMAIN_ID from the environment, MUJOCO_GL=egl,
 FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_images.xml unless set),
-listens to the published chunks (`/molmobot_policy/joint_trajectory`, the per-chunk
+waits up to `--startup-timeout` s for the node's first chunk (a cold first start imports torch
+and builds the engine), saying what it waits for, then runs `--duration` s from that chunk;
+meanwhile it listens to the published chunks (`/molmobot_policy/joint_trajectory`, the per-chunk
 `/molmobot_policy/chunk_info`), `/diagnostics`, `/joint_states` and the cameras, prints one
 line per chunk, stops both processes (SIGINT, then SIGKILL after a timeout), prints a summary
 and writes PNGs (`sim.plots`) to `--plots-dir` (default `demo_output/` in the current
@@ -15,13 +17,15 @@ directory), naming each path at the end:
   robot's /joint_states;
 - camera_frames.png: the last frame of each camera, with the instruction.
 
-    python -m molmobot_policy.demo --duration 30
+    python -m molmobot_policy.demo --duration 30 --startup-timeout 300
     python -m molmobot_policy.demo --compressed --chunks 3   # jpeg cameras; stop after 3 chunks
 
 With `--compressed` the simulator publishes sensor_msgs/CompressedImage (jpeg) on
 `<camera topic>/compressed` and the node subscribes there (`camera_transports`).
 
-Exit status: 0 when at least one chunk (with --chunks: that many) arrived, 1 otherwise.
+Exit status: 0 when at least one chunk (with --chunks: that many) arrived, 1 otherwise. When no
+chunk came within --startup-timeout, or a process exited, the demo stops both and prints one line
+saying why (with the path of the policy node's ROS log file where there is one) before it exits 1.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 10.0
+WAIT_REPORT_S = 30.0     # how often the demo says what it still waits for before the first chunk
 NODE_FQN = '/molmobot_policy'
 PLOTS = {   # file name: what it shows
     'latency_timeline.png': 'inference, observation age and publish jitter per chunk',
@@ -100,6 +105,44 @@ def policy_settings(params_file: Path) -> dict:
             given = body.get('ros__parameters') or {}
             settings.update({k: v for k, v in given.items() if k in settings})
     return settings
+
+
+def startup_failure(elapsed_s: float, timeout_s: float, chunks: int,
+                    exited: list[tuple[str, int]]) -> str | None:
+    """Why the demo must stop before its run, or None while it may go on.
+
+    Args:
+        elapsed_s: s since both processes started. timeout_s: --startup-timeout, s.
+        chunks: chunks received so far. exited: (process name, exit status) of each process
+            that has ended.
+    """
+    if exited:
+        name, status = exited[0]
+        when = 'before the first chunk' if not chunks else f'after {chunks} chunks'
+        return f'{name} exited with status {status} {when}'
+    if not chunks and elapsed_s > timeout_s:
+        return f'no chunk from the policy node within --startup-timeout {timeout_s:g} s'
+    return None
+
+
+def startup_phase(policy_on_graph: bool, joint_states: bool) -> str:
+    """What the demo waits for before the first chunk, from what it sees on the ROS graph."""
+    phase = ('the policy node is up, not yet publishing (configure: model and engine build; '
+             'activate; warm-up)' if policy_on_graph else
+             'the policy node is not on the ROS graph yet (Python start-up, imports)')
+    return phase + ('' if joint_states else '; no /joint_states from sim_robot yet')
+
+
+def ros_log_file(pid: int, env: dict) -> Path | None:
+    """The newest ROS log file of process `pid` (rcl names it <executable>_<pid>_<ms>.log in
+    ROS_LOG_DIR, else $ROS_HOME/log, else ~/.ros/log), or None."""
+    folder = (Path(env['ROS_LOG_DIR']) if env.get('ROS_LOG_DIR') else
+              Path(env.get('ROS_HOME') or Path.home() / '.ros') / 'log')
+    try:
+        files = sorted(folder.glob(f'*_{pid}_*.log'), key=lambda f: f.stat().st_mtime)
+    except OSError:
+        return None
+    return files[-1] if files else None
 
 
 def _percentiles(values: list[float]) -> str:
@@ -197,9 +240,10 @@ class Monitor:
                      f'inference: {_percentiles(self.inference_ms)}',
                      f'publish jitter: {_percentiles(self.jitter_ms)}',
                      'diagnostics at WARN/ERROR at the end: ' + (
-                         f'{not_ok} (on a small, busy CPU the tiny model can exceed the '
-                         f'latency and jitter thresholds of the policy parameter file, e.g. '
-                         f'config/policy_tiny.yaml; /diagnostics names the values)'
+                         f'{not_ok} (inference is WARN because the demo serves random '
+                         f'weights; on a small, busy CPU the tiny model can also exceed the '
+                         f'latency and jitter thresholds of config/policy_tiny.yaml; '
+                         f'/diagnostics names the values)'
                          if not_ok else 'none')]
         return '\n'.join('demo: ' + line for line in lines)
 
@@ -272,10 +316,48 @@ def _print_plots(monitor: Monitor, folder: Path, settings: dict) -> None:
         print(f'demo:   {path} ({PLOTS[path.name]})', flush=True)
 
 
+def _run(args, processes: list, monitor: Monitor, node, executor) -> str | None:
+    """Spins until the first chunk (saying what it waits for every WAIT_REPORT_S), then
+    --duration s more (or --chunks chunks); returns why it stopped early, or None."""
+    started = time.monotonic()
+    end, next_report = None, started + WAIT_REPORT_S
+    while end is None or time.monotonic() < end:
+        executor.spin_once(timeout_sec=0.1)
+        now, chunks = time.monotonic(), monitor.count()
+        exited = [(name, p.returncode) for name, p in processes if p.poll() is not None]
+        failure = startup_failure(now - started, args.startup_timeout, chunks, exited)
+        if failure is not None:
+            if not chunks:
+                failure += f' ({_phase(node, monitor)})'
+            return failure
+        if args.chunks and chunks >= args.chunks:
+            return None
+        if end is None and chunks:
+            end = now + args.duration
+            print(f'demo: first chunk {now - started:.1f} s after the start; running '
+                  f'{args.duration:g} s', flush=True)
+        elif end is None and now >= next_report:
+            next_report = now + WAIT_REPORT_S
+            print(f'demo: {now - started:.0f} s, still waiting for the first chunk: '
+                  f'{_phase(node, monitor)}', flush=True)
+    return None
+
+
+def _phase(node, monitor: Monitor) -> str:
+    on_graph = ('molmobot_policy', '/') in node.get_node_names_and_namespaces()
+    with monitor.lock:
+        joint_states = bool(monitor.joint_times)
+    return startup_phase(on_graph, joint_states)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--duration', type=float, default=30.0,
-                        help='seconds to run after both processes started (default 30)')
+                        help="seconds to run from the policy node's first chunk (default 30)")
+    parser.add_argument('--startup-timeout', type=float, default=300.0,
+                        help='seconds to wait for the first chunk after both processes '
+                             'started: a cold first start imports torch and builds the '
+                             'engine (default 300)')
     parser.add_argument('--policy-params', type=Path, default=None,
                         help='policy node parameter file (default config/policy_tiny.yaml)')
     parser.add_argument('--sim-params', type=Path, default=None,
@@ -307,13 +389,13 @@ def main(argv=None) -> int:
     os.environ.update({key: env[key] for key in (
         'ROS_AUTOMATIC_DISCOVERY_RANGE', 'ROS_DOMAIN_ID', 'FASTDDS_DEFAULT_PROFILES_FILE')
         if key in env})
-    print(f"demo: ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}, running {args.duration:.0f} s",
-          flush=True)
+    print(f"demo: ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}, running {args.duration:g} s from the "
+          f"first chunk", flush=True)
 
     import rclpy
     from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
-    processes = []
+    processes, failure = [], None
     rclpy.init()
     node = rclpy.create_node('molmobot_demo')
     from molmobot_policy.ros.parameters import camera_subscriptions
@@ -328,27 +410,27 @@ def main(argv=None) -> int:
                                               args.verbose, sim_parameters)))
         processes.append(('policy', _start('molmobot_policy.ros.node', policy_params,
                                            env, args.verbose, policy_parameters)))
-        print('demo: started sim_robot and the policy node; the first chunk follows the '
-              'engine warm-up', flush=True)
-        end = time.monotonic() + args.duration
-        while time.monotonic() < end:
-            executor.spin_once(timeout_sec=0.1)
-            if args.chunks and monitor.count() >= args.chunks:
-                break
-            for name, process in processes:
-                if process.poll() is not None:
-                    print(f'demo: {name} exited with status {process.returncode}')
-                    end = 0.0
+        print(f'demo: started sim_robot and the policy node; waiting up to '
+              f'{args.startup_timeout:g} s (--startup-timeout) for the first chunk', flush=True)
+        failure = _run(args, processes, monitor, node, executor)
     except (KeyboardInterrupt, ExternalShutdownException):
         print('demo: interrupted')
     finally:
         for name, process in reversed(processes):
             _stop(process, name)
-        print(monitor.summary(), flush=True)
-        if not args.no_plots:
-            _print_plots(monitor, args.plots_dir, settings)
+        if failure is None or monitor.count():
+            print(monitor.summary(), flush=True)
+            if not args.no_plots:
+                _print_plots(monitor, args.plots_dir, settings)
+        if failure is not None:
+            policy = dict(processes).get('policy')
+            log = policy and ros_log_file(policy.pid, env)
+            print(f'demo: FAILED: {failure}' + (f'; policy node log: {log}' if log else ''),
+                  flush=True)
         node.destroy_node()
         rclpy.try_shutdown()
+    if failure is not None:
+        return 1
     return 0 if monitor.trajectories >= max(args.chunks, 1) else 1
 
 

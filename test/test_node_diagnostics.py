@@ -172,6 +172,26 @@ def test_an_input_problem_lasting_longer_than_its_max_age_is_an_error():
     assert level == ERROR and "'yuv422'" in message and 'max_image_age' in message
 
 
+@pytest.mark.parametrize('latency_ms, level, words', [
+    ([], WARN, 'serving RANDOM WEIGHTS (preset tiny, seed 0): actions are noise'),
+    ([600.0] * 10, WARN,
+     'inference p99 600 ms slow; serving RANDOM WEIGHTS (preset tiny, seed 0): actions are noise'),
+    ([1200.0] * 10, ERROR, 'inference p99 1200 ms too slow; serving RANDOM WEIGHTS (preset '
+                           'tiny, seed 0): actions are noise')])
+def test_random_weights_make_the_inference_status_warn_naming_them(latency_ms, level, words):
+    """An untrained model is never OK on /diagnostics (a monitor reading only the levels
+    must see it); a slow inference keeps its own level and words."""
+    task = InferenceTask(_stats(latency_ms), lambda: {}, DEFAULTS.get,
+                         served='RANDOM WEIGHTS (preset tiny, seed 0)')
+    assert _run(task)[:2] == (level, words)
+
+
+def test_a_checkpoint_leaves_the_inference_status_ok():
+    task = InferenceTask(_stats([100.0] * 10), lambda: {}, DEFAULTS.get,
+                         served='checkpoint /ckpt (weights fingerprint 0123456789ab)')
+    assert _run(task)[:2] == (OK, 'ok')
+
+
 def test_inference_reports_what_is_served_and_the_lead_estimate():
     from molmobot_policy.timing import latency_estimator
     latency = latency_estimator(1.0, inference_seconds=0.2)

@@ -352,3 +352,47 @@ def test_declaring_the_parameters_leaves_the_table_as_written(ros_context):
         assert after == before
     finally:
         node.destroy_node()
+
+
+def _configure_from_file(context, tmp_path, name: str, body: str):
+    """Configure a node (autostart off) whose parameters come from a YAML file that rcl
+    parses (--params-file); returns (the engine config or None, the error log lines)."""
+    params = tmp_path / f'{name}.yaml'
+    params.write_text(f'/{name}:\n  ros__parameters:\n    autostart: false\n'
+                      f'    allow_random_weights: true\n{body}')
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
+                      cli_args=['--ros-args', '--params-file', str(params)])
+    try:
+        errors = []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+        return capture.config, errors
+    finally:
+        node.destroy_node()
+
+
+def test_empty_buckets_in_a_parameter_file_mean_no_padding(ros_context, tmp_path):
+    """docs/PARAMETERS.md: `buckets: []` is no padding; rcl hands the empty YAML list to
+    rclpy as a parameter without a value (None), which configure refused."""
+    config, errors = _configure_from_file(ros_context, tmp_path, 'param_buckets_file',
+                                          '    buckets: []\n')
+    assert config is not None, errors
+    assert config['buckets'] == ()
+
+
+@pytest.mark.parametrize('value', [[], None, 'none'])
+def test_empty_or_none_buckets_reach_the_engine_as_no_padding(ros_context, value):
+    """[] (the default), None (rcl's empty list) and 'none' all mean no padding."""
+    config, errors = _configure(ros_context, f'param_buckets_{type(value).__name__}',
+                                buckets=value)
+    assert config is not None, errors
+    assert config['buckets'] == ()
+
+
+def test_bad_buckets_are_refused_naming_the_value_given(ros_context, tmp_path):
+    config, errors = _configure_from_file(ros_context, tmp_path, 'param_buckets_bad',
+                                          '    buckets: [1.5, 2.5]\n')
+    assert config is None
+    assert any("parameter 'buckets': [1.5, 2.5] is not a list of prompt lengths" in e
+               for e in errors), errors

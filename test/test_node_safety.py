@@ -1,6 +1,7 @@
 """The node's safety wiring in this process (its own rclpy context, a stand-in engine, a peer
 node publishing the cameras and the joint state): what is served (random weights only on
-purpose, logged and on /diagnostics), parameter files matched by the fully qualified name,
+purpose, logged and on /diagnostics at WARN), /diagnostics while configure blocks the
+executor, parameter files matched by the fully qualified name,
 the first point limited against the measured joint state, the output status going ERROR
 while nothing is published, an undecodable camera going ERROR, the first lead from the
 engine's warm-up timing."""
@@ -216,6 +217,96 @@ def test_a_node_that_failed_to_configure_says_so_on_diagnostics(graph):
     assert g.wait_for(failed, 10.0)
 
 
+def _spin_peer_only(g) -> None:
+    """Spin the peer alone: the policy's timers do not run, as while its executor thread is
+    inside on_configure (a ChangeState call or autostart)."""
+    from rclpy.executors import ExternalShutdownException
+    g.executor.remove_node(g.policy)
+
+    def spin():
+        try:
+            g.executor.spin()
+        except ExternalShutdownException:       # the shutdown test's context went down
+            pass
+    g.thread = threading.Thread(target=spin, daemon=True)
+    g.thread.start()
+
+
+def _heartbeats(name: str) -> list:
+    return [t for t in threading.enumerate() if t.name == f'{name} configure heartbeat']
+
+
+def test_diagnostics_keep_coming_while_configure_blocks_the_executor(graph):
+    """A long warm-up: the 'output' status is published anyway, OK with the latest progress
+    line; afterwards it is what it always was (WARN inactive) and no heartbeat is left."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+    seen = threading.Event()
+
+    class Slow(_Engine):
+        def warmup(self, progress=None):
+            progress('warm-up: preparing bucket 64')
+            seen.wait(10.0)         # set by the test once the status came
+            return 0.0
+
+    g = graph('safety_configuring', engine=Slow, allow_random_weights=True)
+    _spin_peer_only(g)
+    configuring = {}
+
+    def watch():
+        def came():
+            status = g.status('output')
+            if status is not None and status.message.startswith('configuring: warm-up'):
+                configuring['status'] = status
+                return True
+            return False
+        g.wait_for(came, 10.0)
+        seen.set()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    watcher.join()
+    status = configuring.get('status')
+    assert status is not None, 'no /diagnostics while configure ran'
+    assert _level(status) == DiagnosticStatus.OK
+    assert status.message == 'configuring: warm-up: preparing bucket 64'
+    assert _heartbeats(g.name) == []
+    g.executor.add_node(g.policy)       # the executor free again: the idle timer publishes
+
+    def inactive():
+        status = g.status('output')
+        return status is not None and status.message.startswith('inactive (configured)') \
+            and _level(status) == DiagnosticStatus.WARN
+    assert g.wait_for(inactive, 10.0)
+
+
+@pytest.mark.parametrize('ending', ['error', 'shutdown'])
+def test_the_configure_heartbeat_stops_when_configure_fails_or_is_shut_down(graph, ending):
+    from diagnostic_msgs.msg import DiagnosticStatus
+    g = None
+
+    class Failing(_Engine):
+        def warmup(self, progress=None):
+            progress('warm-up: preparing bucket 64')
+            assert g.wait_for(lambda: g.status('output') is not None and g.status(
+                'output').message == 'configuring: warm-up: preparing bucket 64', 10.0)
+            if ending == 'error':
+                raise RuntimeError('CUDA out of memory')
+            rclpy.try_shutdown(context=g.context)       # as SIGINT's handler does
+            progress('warm-up: bucket 64 ready')        # raises KeyboardInterrupt
+            return 0.0
+
+    g = graph(f'safety_configure_{ending}', engine=Failing, allow_random_weights=True)
+    _spin_peer_only(g)
+    if ending == 'error':
+        assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert 'CUDA out of memory' in g.log.text('error')
+        assert g.policy._idle_state[0] == DiagnosticStatus.ERROR
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            g.policy.trigger_configure()
+    assert _heartbeats(g.name) == []
+
+
 def test_random_weights_are_logged_at_every_start_and_on_diagnostics(graph):
     g = graph('safety_random', allow_random_weights=True, seed=3)
     g.start()
@@ -223,6 +314,9 @@ def test_random_weights_are_logged_at_every_start_and_on_diagnostics(graph):
     assert 'serving RANDOM WEIGHTS (preset tiny, seed 3)' in g.log.text('info')   # active
     assert g.wait_for(lambda: g.status('inference') is not None)
     assert _values(g.status('inference'))['weights'] == 'RANDOM WEIGHTS (preset tiny, seed 3)'
+    assert _level(g.status('inference')) == DiagnosticStatus.WARN
+    assert g.status('inference').message == ('serving RANDOM WEIGHTS (preset tiny, seed 3): '
+                                             'actions are noise')
 
 
 @pytest.mark.skipif(not (GOLDEN / 'model.pt').is_file(), reason=MISSING)

@@ -115,6 +115,35 @@ def test_stale_joint_state_is_reported():
     assert skip.topics == ('/joint_states',) and 'stale' in str(skip)
 
 
+
+def test_stale_joint_state_says_how_old_it_is_and_that_no_joint_is_current():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.9, 10.9)
+    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    assert str(skip).count(f"is stale for {list(JOINTS)}: age 1.000 s > max_state_age "
+                           f"0.500 s") == 1, skip
+    assert 'current' not in str(skip)
+
+
+def test_a_joint_no_longer_published_is_named_as_such_while_the_others_are_current():
+    """A driver that drops one joint from /joint_states leaves that joint's position aging
+    while the others stay fresh: the skip says so rather than pointing at timing alone."""
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.9, 10.9)
+    sync.add_joint_state(JOINTS[:2], [0.1, 0.2], 10.9, 10.9)     # 'finger' no longer sent
+    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    assert isinstance(skip, Skip) and skip.topics == ('/joint_states',)
+    assert ("joint state /joint_states is stale for ['finger'] (age 1.000 s > max_state_age "
+            "0.500 s) while other joints on it are current: is that joint still published?"
+            ) in str(skip), skip
+    problem = sync.position_problem(['joint_a', 'finger'], now=11.0, max_age=0.5)
+    assert "stale for action joints ['finger'] (age 1.000 s" in problem
+    assert 'is that joint still published?' in problem, problem
+
 def test_age_limit_is_inclusive_and_images_and_state_have_separate_limits():
     sync = _sync()
     _fill(sync, stamp=10.0)

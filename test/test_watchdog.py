@@ -90,3 +90,17 @@ def test_a_clock_that_stops_goes_warn_then_error_on_the_wall_clock():
     assert state.level == WARN and 'ROS time stopped at 10.000 s' in state.message
     assert watch.check_clock(10.0, wall=101.6).level == ERROR
     assert watch.check_clock(10.1, wall=101.7) is None           # /clock is back
+
+
+def test_before_the_first_chunk_ok_says_no_chunk_yet_until_a_tick_is_missed():
+    """Activated, nothing published: OK (no tick missed yet) but not 'on schedule'; WARN
+    after 1.5 periods as ever; the first chunk makes it 'on schedule'."""
+    watch = OutputWatchdog(period=1.0)
+    watch.start(10.0)
+    state = watch.check(10.8)
+    assert state.level == OK
+    assert state.message == 'active, no chunk yet (activated 0.8 s ago)'
+    assert watch.check(11.6).level == WARN
+    watch.published(11.7)
+    state = watch.check(11.9)
+    assert state.level == OK and state.message == 'chunks published on schedule'

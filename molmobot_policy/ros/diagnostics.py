@@ -17,7 +17,8 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   than that (age > 2 x max_*_age: a dead camera or joint state publisher); WARN for a newer
   problem, a stale message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
 - `InferenceTask`: WARN / ERROR when the inference p99 exceeds diag_inference_warn_ms /
-  diag_inference_error_ms; carries what is served (checkpoint and weights fingerprint, or
+  diag_inference_error_ms; at least WARN, naming them, while RANDOM WEIGHTS are served (a
+  monitor that reads only levels must not see an untrained model as OK); carries what is served (checkpoint and weights fingerprint, or
   RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 exceeds diag_jitter_warn_ms /
   diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
@@ -26,15 +27,21 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
   naming the last skip reason or the clock (sim time without /clock); the motion limits'
   counts.
+While the node is not active, `idle_updater` publishes the 'output' status alone (its
+lifecycle state); during configure a `Heartbeat` thread runs it, since the executor thread
+that would run its timer is busy building and warming up the engine.
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
+
+from molmobot_policy.ros.serving import serves_random_weights
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -205,8 +212,13 @@ class InferenceTask(DiagnosticTask):
         p99 = summary['p99']
         level = _level(p99, self._parameter('diag_inference_warn_ms'),
                        self._parameter('diag_inference_error_ms'))
-        stat.summary(level, {OK: 'ok', WARN: f'inference p99 {p99:.0f} ms slow',
-                             ERROR: f'inference p99 {p99:.0f} ms too slow'}[level])
+        message = {OK: 'ok', WARN: f'inference p99 {p99:.0f} ms slow',
+                   ERROR: f'inference p99 {p99:.0f} ms too slow'}[level]
+        if serves_random_weights(self._served):     # never OK: the actions are noise
+            random = f'serving {self._served}: actions are noise'
+            message = random if level == OK else f'{message}; {random}'
+            level = max(level, WARN)
+        stat.summary(level, message)
         add_summary_ms(stat, 'inference', summary)
         stat.add('weights', self._served)
         if self._latency is not None:
@@ -258,8 +270,8 @@ class ScheduleTask(DiagnosticTask):
 
 class IdleOutputTask(DiagnosticTask):
     """The 'output' status while the node is not active (no loop, so no OutputTask): WARN
-    (unconfigured or inactive: no commands are sent), ERROR after a failed configure;
-    `state()` -> (level, message)."""
+    (unconfigured or inactive: no commands are sent), OK 'configuring: <the latest step>'
+    while configure runs, ERROR after a failed configure; `state()` -> (level, message)."""
 
     def __init__(self, state: Callable[[], tuple]) -> None:
         super().__init__('output')
@@ -274,11 +286,50 @@ class IdleOutputTask(DiagnosticTask):
 def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], tuple]
                  ) -> Updater:
     """The node's Updater while it is not active: the `IdleOutputTask` of `state()`, so a
-    monitor sees an unconfigured, inactive or failed node say so instead of going quiet."""
+    monitor sees an unconfigured, configuring (through a `Heartbeat`), inactive or failed
+    node say so instead of going quiet."""
     updater = Updater(node, parameter('diagnostics_period'))
     updater.setHardwareID(node.get_name())
     updater.add(IdleOutputTask(state))
     return updater
+
+
+class Heartbeat:
+    """Runs `updater.update()` on its own thread at once and then every `period` s until
+    `stop()`: /diagnostics keeps coming while the executor thread is busy in a long lifecycle
+    transition (configure builds and warms up the engine), when the updater's timer cannot
+    fire. rclpy publishers may publish from any thread. An update that raises (the context
+    shut down) ends the thread.
+
+    Args:
+        updater: the Updater to run (the node's idle one).
+        period: seconds (> 0) between updates.
+        name: the thread's name.
+    """
+
+    def __init__(self, updater: Updater, period: float, name: str = 'diagnostics heartbeat'
+                 ) -> None:
+        self._updater, self._period = updater, float(period)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._updater.update()
+            except Exception:  # noqa: BLE001 - shutting down: nothing left to publish on
+                return
+            self._stopped.wait(self._period)
+
+    def stop(self) -> None:
+        """Stop and join the thread (an update in progress finishes first)."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 class OutputTask(DiagnosticTask):

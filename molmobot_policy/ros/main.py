@@ -14,6 +14,12 @@ the middle. A second Ctrl-C (more than GracefulSigint.REPEAT_S after the first) 
 at once (KeyboardInterrupt, e.g. during a long checkpoint load or compile) and the process
 exits 130, the shell's status for SIGINT.
 
+Parent exit (`stop_with_parent`, default true): `ros2 launch` answers SIGTERM (what systemd
+and `docker stop` send) by exiting without stopping the processes it started, which would
+leave this node commanding the arm unsupervised. `ParentWatch` checks every PARENT_CHECK_S
+whether the process that started the node is gone (the node was re-parented) and then stops
+it as Ctrl-C does.
+
 Exit status: 0 after a clean stop, 1 when the node cannot start (bad environment, parameter
 or parameter file, configure failed), 130 after a second Ctrl-C.
 
@@ -38,6 +44,7 @@ from molmobot_policy.ros.node import NODE_NAME, PolicyNode
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
                             # GIL-holding callback thread delays the worker's wake-up
 EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
+PARENT_CHECK_S = 0.1        # ParentWatch's polling period
 INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
 
 
@@ -88,6 +95,49 @@ class GracefulSigint:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+
+class ParentWatch:
+    """Sends this process SIGINT (the Ctrl-C path: a graceful stop) once the process that
+    started it has exited, i.e. `os.getppid()` differs from what it read at `start`.
+
+    Args:
+        name: the node name for the log line. period: seconds between checks (> 0).
+        getppid, kill: injected for tests (os.getppid; os.kill(os.getpid(), SIGINT)).
+    """
+
+    def __init__(self, name: str, period: float = PARENT_CHECK_S, getppid=os.getppid,
+                 kill=None) -> None:
+        self._name, self._period, self._getppid = name, period, getppid
+        self._kill = kill or (lambda: os.kill(os.getpid(), signal.SIGINT))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.parent: int | None = None
+        self.fired = False
+
+    def start(self, parent: int | None = None) -> 'ParentWatch':
+        """Watch `parent` (default: the parent now; pass the one read at process start)."""
+        self.parent = self._getppid() if parent is None else parent
+        self._thread = threading.Thread(target=self._run, name='parent-watch', daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            now = self._getppid()
+            if now != self.parent:
+                self.fired = True
+                print_log(self._name, 'ERROR',
+                          f'the process that started this node (pid {self.parent}) has exited '
+                          '(e.g. `ros2 launch` stopped with SIGTERM, which leaves its children '
+                          'running): stopping; stop_with_parent: false keeps running')
+                self._kill()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
 
 
 _SEVERITY = {logging.CRITICAL: 'FATAL', logging.ERROR: 'ERROR', logging.WARNING: 'WARN',
@@ -164,6 +214,7 @@ def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status (see the
     module docstring)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    parent = os.getppid()
     problem = ros_domain_id_problem(os.environ)
     if problem:
         print_log(NODE_NAME, 'FATAL', problem)
@@ -181,8 +232,14 @@ def main(args=None) -> int:
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE
-        with package_logs_to(node):
-            return _serve(node, sigint)
+        watch = ParentWatch(node.get_name()).start(parent) \
+            if node.get_parameter('stop_with_parent').value else None
+        try:
+            with package_logs_to(node):
+                return _serve(node, sigint)
+        finally:
+            if watch is not None:
+                watch.stop()
     except KeyboardInterrupt:       # a second Ctrl-C while the node shuts down
         return EXIT_INTERRUPTED
     finally:

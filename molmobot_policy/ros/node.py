@@ -36,8 +36,8 @@ from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver
-from molmobot_policy.ros.diagnostics import (ERROR, WARN, Updater, idle_updater,
-                                             policy_updater)
+from molmobot_policy.ros.diagnostics import (ERROR, OK, WARN, Heartbeat, Updater,
+                                             idle_updater, policy_updater)
 from molmobot_policy.ros.param_files import unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
@@ -46,7 +46,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
-                                         served_weights)
+                                         served_weights, serves_random_weights)
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
 from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, freeze_heap,
                                     latency_estimator, unfreeze_heap)
@@ -135,6 +135,26 @@ class PolicyNode(LifecycleNode):
         return self.trigger_activate() == TransitionCallbackReturn.SUCCESS
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        # configure runs in the executor thread (or before it spins) for seconds to minutes:
+        # the idle diagnostics' timer cannot fire, so a heartbeat thread publishes meanwhile
+        self._idle((OK, 'configuring: checking the parameters'))
+        heartbeat = Heartbeat(self._idle_diagnostics, self._param('diagnostics_period'),
+                              name=f'{self.get_name()} configure heartbeat').start()
+        try:
+            return self._configure()
+        finally:
+            heartbeat.stop()
+            if self._idle_state[1].startswith('configuring: '):   # interrupted (shutdown;
+                # the node may be destroyed already: set the state, create no updater)
+                self._idle_state = (WARN, 'configure interrupted (shutting down): no '
+                                          'commands are sent')
+
+    def _configuring(self, step: str) -> None:
+        """Log the configure step and show it on the 'output' status (OK 'configuring: ...')."""
+        self._idle((OK, f'configuring: {step}'))
+        self.get_logger().info(f'configuring: {step}')
+
+    def _configure(self) -> TransitionCallbackReturn:
         cameras = list(self._param('camera_topics'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
         from molmobot_policy.runtime.config import fused_action_expert_mode
@@ -158,12 +178,12 @@ class PolicyNode(LifecycleNode):
             self.served = served_weights(engine_config, self._param('allow_random_weights'))
             from molmobot_policy.runtime.devices import describe_device  # torch, at configure
             device = describe_device(engine_config['device'])   # ValueError: cannot serve there
-            self.get_logger().info(f'configuring: building engine (serving {self.served}, '
-                                   f'device {device}, {len(cameras)} cameras)')
+            self._configuring(f'building engine (serving {self.served}, device {device}, '
+                              f'{len(cameras)} cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
             self.contract = contract
             self._check_not_shut_down()
-            self.get_logger().info('configuring: warming up the engine')
+            self._configuring('warming up the engine')
             self.engine.warmup(progress=self._warmup_progress)
             self._latency = latency_estimator(self._param('chunk_period'),
                                               getattr(self.engine, 'inference_seconds', None))
@@ -190,7 +210,7 @@ class PolicyNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def _log_served(self) -> None:
-        if self.served.startswith('RANDOM'):
+        if serves_random_weights(self.served):
             self.get_logger().warning(f'serving {self.served}: allow_random_weights is true; '
                                       'the actions are noise, not a trained policy')
         else:
@@ -205,6 +225,7 @@ class PolicyNode(LifecycleNode):
 
     def _warmup_progress(self, message: str) -> None:
         self._check_not_shut_down()
+        self._idle((OK, f'configuring: {message}'))
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:

@@ -60,6 +60,9 @@ _DA = ParameterType.PARAMETER_DOUBLE_ARRAY
 # name: (default, descriptor). read_only where a change after configure/activate is unsafe.
 PARAMETERS = {
     'autostart': (True, descriptor('run configure + activate at start-up', _B)),
+    'stop_with_parent': (True, descriptor(
+        'stop (as on Ctrl-C) once the process that started the node exits: `ros2 launch` '
+        'stopped with SIGTERM exits without stopping its children', _B)),
     'camera_topics': (DEFAULT_CAMERAS, descriptor(
         'sensor_msgs/Image topics in model image order (camera k -> "Image k+1"); at most the '
         "model's max_images", _SA)),
@@ -280,15 +283,18 @@ def check_unknown_parameters(node) -> None:
 
 def bucket_lengths(value) -> tuple[int, ...]:
     """The `buckets` parameter as prompt lengths (tokens): a list of integers, or no
-    padding from an empty list or the string 'none' (any case; a YAML file cannot write an
-    empty list rcl can type). Raises ValueError naming the parameter otherwise."""
-    if isinstance(value, str) and value.strip().lower() in ('', 'none'):
+    padding from an empty list or the string 'none' (any case). rcl cannot type an empty
+    list (`buckets: []` in a parameter file, `-p buckets:=[]`) and hands it to rclpy as a
+    parameter without a value: None here, also no padding. Raises ParameterError (a
+    ValueError) naming the parameter and the value given otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ('', 'none')):
         return ()
     if isinstance(value, (list, tuple)) and all(
             isinstance(b, int) and not isinstance(b, bool) for b in value):
         return tuple(value)
-    raise ParameterError('buckets', value, 'is not a list of prompt lengths in tokens (e.g. '
-                                           '[1664, 1856]) nor none (no padding)')
+    raise ParameterError('buckets', list(value) if isinstance(value, tuple) else value,
+                         'is not a list of prompt lengths in tokens (e.g. [1664, 1856]), '
+                         "nor [] or 'none' (no padding)")
 
 
 def check_parameter_values(parameter) -> None:

@@ -60,7 +60,8 @@ class LoopReport(LoopEvents):
         limited = ''
         if report.velocity_limited or report.position_clipped:
             began = ('' if report.start_offset != report.start_offset    # nan: none anchored
-                     else f'; the plan began {report.start_offset:.3f} from the measured state')
+                     else f"; the model's first point was up to {report.start_offset:.3f} "
+                     'rad (or m) from the measured joints')
             limited = (f', limited: {report.velocity_limited} values by max_joint_velocity, '
                        f'{report.position_clipped} by the position limits{began}')
         self._log().info(

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+RANDOM_WEIGHTS = 'RANDOM WEIGHTS'       # how `served_weights` names an untrained model
+
 
 def default_engine_factory(config: dict):
     """`runtime.engine.PolicyEngine` of the EngineConfig fields in `config` and its 'contract'
@@ -39,7 +41,12 @@ def served_weights(engine_config: dict, allow_random_weights: bool) -> str:
             "model.pt or *.safetensors, README 'Checkpoints') in the parameter file or with "
             "`--ros-args -p checkpoint_path:=/path/to/checkpoint`; to serve random weights on "
             'purpose (tests, the demo) set allow_random_weights: true')
-    return f"RANDOM WEIGHTS (preset {engine_config['model']}, seed {engine_config['seed']})"
+    return f"{RANDOM_WEIGHTS} (preset {engine_config['model']}, seed {engine_config['seed']})"
+
+
+def serves_random_weights(served: str) -> bool:
+    """True when `served` (a `served_weights` line) says RANDOM WEIGHTS."""
+    return served.startswith(RANDOM_WEIGHTS)
 
 
 def read_model_config(engine_config: dict):

@@ -265,10 +265,21 @@ class ObservationSynchronizer:
                     f'joints {bad}')
         stale = [n for n, j in found.items() if j is not None and now - j[1] > max_age]
         if stale:
-            age = max(now - found[n][1] for n in stale)
-            return (f'joint state {self.joint_state_topic} is stale for action joints {stale}: '
-                    f'age {age:.3f} s > max_state_age {max_age:.3f} s')
+            return (f'joint state {self.joint_state_topic} is stale for action joints '
+                    + self._stale_text(stale, now, max_age))
         return ''
+
+    def _stale_text(self, stale: list[str], now: float, max_age: float) -> str:
+        """'<stale>: age <s> > max_state_age <s>', asking whether they are still published
+        when other joints of the topic are current (a dropped joint, not a late topic)."""
+        with self._lock:
+            joints = dict(self._joints)
+        age = max(now - joints[n][1] for n in stale)
+        limit = f'age {age:.3f} s > max_state_age {max_age:.3f} s'
+        if not any(0.0 <= now - j[1] <= max_age for n, j in joints.items() if n not in stale):
+            return f'{stale}: {limit}'
+        return (f'{stale} ({limit}) while other joints on it are current: is '
+                f"{'that joint' if len(stale) == 1 else 'those joints'} still published?")
 
     def anchor_positions(self, names: Sequence[str], gripper_index: int, now: float,
                          max_age: float) -> tuple[np.ndarray, float, list[str]]:
@@ -372,10 +383,9 @@ class ObservationSynchronizer:
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:
-            ages = max(now - joints[n][1] for n in stale)
             why = refused.get(self.joint_state_topic)
-            reasons.append(f'joint state {self.joint_state_topic} is stale for {stale}: age '
-                           f'{ages:.3f} s > max_state_age {max_state_age:.3f} s'
+            reasons.append(f'joint state {self.joint_state_topic} is stale for '
+                           + self._stale_text(stale, now, max_state_age)
                            + (f' ({why})' if why else ''))
         if future:
             reasons.append(f'joint state {self.joint_state_topic} for {future} '

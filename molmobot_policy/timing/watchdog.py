@@ -4,7 +4,9 @@ Safety model (DESIGN.md, "Safety model"): the node is never silent while nothing
 arm. Whatever the cause (a stale camera, a NaN joint state, no /clock, a refused frame), the
 output status says so: OK while chunks are published on schedule, WARN once no chunk came
 for more than 1.5 periods (a missed tick), ERROR after `error_periods` periods; the message
-names the last reason a tick was skipped. Plain python; times are float seconds from the caller's clock.
+names the last reason a tick was skipped. Before the first chunk of an activation the OK
+message says that none came yet (how long since `start`), not that chunks flow. Plain
+python; times are float seconds from the caller's clock.
 
 Under sim time the caller's clock (ROS time) can stand still: before the first /clock message
 it reads 0, and it stops when /clock does. Then no period passes on it and `check` alone would
@@ -100,6 +102,8 @@ class OutputWatchdog:
         if gap > WARN_PERIODS * self.period:     # a tick missed, not a late publish
             return OutputState(WARN, f'{what} for {gap:.2f} s (> {WARN_PERIODS} x the period '
                                      f'{self.period:.3f} s: a tick missed){why}', gap)
+        if published == 0:      # no chunk yet: "on schedule" would claim chunks that never came
+            return OutputState(OK, f'active, no chunk yet (activated {gap:.1f} s ago)', gap)
         return OutputState(OK, 'chunks published on schedule', gap)
 
     def check_clock(self, now: float, wall: float) -> OutputState | None:
