@@ -167,6 +167,7 @@ class Monitor:
         self.inference_ms: list[float] = []
         self.jitter_ms: list[float] = []
         self.diagnostics_levels: dict[str, int] = {}
+        self.diagnostics_messages: dict[str, str] = {}
         self.chunks: list[dict] = []            # ~/chunk_info values
         self.planned: list[tuple[list[str], np.ndarray, np.ndarray]] = []
         self.joint_names: list[str] = []        # of the first /joint_states
@@ -232,6 +233,7 @@ class Monitor:
             for status in msg.status:
                 self.diagnostics_levels[status.name] = int.from_bytes(status.level, 'little') \
                     if isinstance(status.level, bytes) else int(status.level)
+                self.diagnostics_messages[status.name] = status.message
 
     def summary(self) -> str:
         with self.lock:
@@ -240,11 +242,10 @@ class Monitor:
                      f'inference: {_percentiles(self.inference_ms)}',
                      f'publish jitter: {_percentiles(self.jitter_ms)}',
                      'diagnostics at WARN/ERROR at the end: ' + (
-                         f'{not_ok} (inference is WARN because the demo serves random '
-                         f'weights; on a small, busy CPU the tiny model can also exceed the '
-                         f'latency and jitter thresholds of config/policy_tiny.yaml; '
-                         f'/diagnostics names the values)'
-                         if not_ok else 'none')]
+                         '(inference is WARN because the demo serves random weights; on a '
+                         'small, busy CPU the tiny model can also exceed the latency and '
+                         'jitter thresholds of config/policy_tiny.yaml)' if not_ok else 'none')]
+            lines += [f'  {name}: {self.diagnostics_messages.get(name, "")}' for name in not_ok]
         return '\n'.join('demo: ' + line for line in lines)
 
     def last_frames(self) -> list:
@@ -344,7 +345,8 @@ def _run(args, processes: list, monitor: Monitor, node, executor) -> str | None:
 
 
 def _phase(node, monitor: Monitor) -> str:
-    on_graph = ('molmobot_policy', '/') in node.get_node_names_and_namespaces()
+    namespace, name = NODE_FQN.rsplit('/', 1)
+    on_graph = (name, namespace or '/') in node.get_node_names_and_namespaces()
     with monitor.lock:
         joint_states = bool(monitor.joint_times)
     return startup_phase(on_graph, joint_states)

@@ -57,3 +57,42 @@ class StandInEngine:
         return ActionChunk(actions=actions, actions_normalized=actions,
                            observation_stamp=observation.stamp,
                            observation_seq=observation.seq, inference_ms=1.0)
+
+
+class InProcessGraph:
+    """The part shared by the in-process node tests' graphs: a PolicyNode (`policy`) and a
+    peer node (`peer`) on their own `context`, in one `executor` spun by `thread` (None
+    until started); the peer's callbacks append under `lock`. Subclasses build them."""
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> bool:
+        """Poll `predicate()` (under `lock`) every 20 ms until true (True) or `timeout` s."""
+        import time
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        import rclpy
+        self.executor.shutdown(timeout_sec=2.0)
+        self.policy.destroy_node()
+        self.peer.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        if self.thread is not None:
+            self.thread.join(timeout=5.0)
+
+
+def graphs(graph_class):
+    """Generator body of a `graph` fixture: yields make(name, **kwargs) -> a new
+    graph_class(name, **kwargs); closes every graph made afterwards."""
+    made = []
+
+    def make(name, **kwargs):
+        made.append(graph_class(name, **kwargs))
+        return made[-1]
+    yield make
+    for graph in made:
+        graph.close()

@@ -253,6 +253,19 @@ def test_an_unusable_observation_skips_the_tick_with_its_reason():
     assert robot.sent == []
 
 
+def test_a_published_chunk_ends_the_reported_skip():
+    def first_stale(robot):
+        observe, calls = robot.observe, []
+
+        def changed(now):
+            calls.append(now)
+            return 'camera /cam3 is stale' if len(calls) == 1 else observe(now)
+        return changed
+    loop, robot, recorder = run(chunks=2, robot_changes={'observe': first_stale})
+    assert recorder.skips == [(0, 'camera /cam3 is stale')] and len(robot.sent) == 1
+    assert loop.stats.last_skip == ''
+
+
 def test_an_observation_not_newer_than_the_last_one_used_is_refused():
     def same(robot):
         observation = Observation(images=(), state=np.zeros(JOINTS, np.float32),

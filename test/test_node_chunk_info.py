@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 
@@ -18,7 +17,8 @@ from rclpy.parameter import Parameter  # noqa: E402
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 
-from _robot_inputs import StandInEngine, publish_robot_inputs  # noqa: E402
+from _robot_inputs import (InProcessGraph, StandInEngine, graphs,  # noqa: E402
+                           publish_robot_inputs)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +34,7 @@ class _Engine(StandInEngine):
         return float(observation.seq)
 
 
-class _Graph:
+class _Graph(InProcessGraph):
     """A PolicyNode and a peer spinning in one executor thread; the peer records."""
 
     def __init__(self, name: str, **parameters) -> None:
@@ -71,33 +71,10 @@ class _Graph:
         with self.lock:
             self.diagnostics.append(msg)
 
-    def wait_for(self, predicate, timeout: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return True
-            time.sleep(0.02)
-        return False
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.policy.destroy_node()
-        self.peer.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-        self.thread.join(timeout=5.0)
-
 
 @pytest.fixture
 def graph():
-    graphs = []
-
-    def make(name, **parameters):
-        graphs.append(_Graph(name, **parameters))
-        return graphs[-1]
-    yield make
-    for g in graphs:
-        g.close()
+    yield from graphs(_Graph)
 
 
 def test_chunk_info_without_debug_timing_has_no_delay_clues(graph):

@@ -83,11 +83,17 @@ def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):
 def _configure(context, name: str, **parameters) -> tuple[dict | None, list[str]]:
     """Configure a node (autostart off) with `parameters` and an engine factory that records
     its engine config and fails. Returns (that config or None, the error log lines)."""
+    return _configure_capturing(
+        context, name, parameter_overrides=[Parameter('autostart', value=False),
+                                            Parameter('allow_random_weights', value=True)]
+        + [Parameter(k, value=v) for k, v in parameters.items()])
+
+
+def _configure_capturing(context, name: str, **node_kwargs) -> tuple[dict | None, list[str]]:
+    """Configure a PolicyNode(**node_kwargs) whose engine factory records its engine config
+    and fails; returns (that config or None, the error log lines)."""
     capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
-                      parameter_overrides=[Parameter('autostart', value=False),
-                                           Parameter('allow_random_weights', value=True)]
-                      + [Parameter(k, value=v) for k, v in parameters.items()])
+    node = PolicyNode(engine_factory=capture, node_name=name, context=context, **node_kwargs)
     try:
         errors = []
         node.get_logger().error = lambda msg, **kw: errors.append(msg)
@@ -360,16 +366,8 @@ def _configure_from_file(context, tmp_path, name: str, body: str):
     params = tmp_path / f'{name}.yaml'
     params.write_text(f'/{name}:\n  ros__parameters:\n    autostart: false\n'
                       f'    allow_random_weights: true\n{body}')
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
-                      cli_args=['--ros-args', '--params-file', str(params)])
-    try:
-        errors = []
-        node.get_logger().error = lambda msg, **kw: errors.append(msg)
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-        return capture.config, errors
-    finally:
-        node.destroy_node()
+    return _configure_capturing(context, name,
+                                cli_args=['--ros-args', '--params-file', str(params)])
 
 
 def test_empty_buckets_in_a_parameter_file_mean_no_padding(ros_context, tmp_path):

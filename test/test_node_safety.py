@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 
 from _golden import GOLDEN, MISSING  # noqa: E402
-from _robot_inputs import StandInEngine  # noqa: E402
+from _robot_inputs import InProcessGraph, StandInEngine, graphs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +77,7 @@ class _Log:
         return getattr(self._logger, name)
 
 
-class _Graph:
+class _Graph(InProcessGraph):
     """A PolicyNode (not started) and a peer publishing `cameras` frames (rgb8 unless
     `encodings` says otherwise) and `positions` on the joint state; the peer records."""
 
@@ -144,15 +143,6 @@ class _Graph:
         self.thread = threading.Thread(target=self.executor.spin, daemon=True)
         self.thread.start()
 
-    def wait_for(self, predicate, timeout: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return True
-            time.sleep(0.02)
-        return False
-
     def status(self, task: str):
         """The latest /diagnostics status '<node>: <task>' (None before one)."""
         for array in reversed(self.diagnostics):
@@ -161,25 +151,10 @@ class _Graph:
                     return status
         return None
 
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.policy.destroy_node()
-        self.peer.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-        if self.thread is not None:
-            self.thread.join(timeout=5.0)
-
 
 @pytest.fixture
 def graph():
-    graphs = []
-
-    def make(name, **kwargs):
-        graphs.append(_Graph(name, **kwargs))
-        return graphs[-1]
-    yield make
-    for g in graphs:
-        g.close()
+    yield from graphs(_Graph)
 
 
 def _values(status) -> dict:
@@ -274,9 +249,11 @@ def test_diagnostics_keep_coming_while_configure_blocks_the_executor(graph):
 
     def inactive():
         status = g.status('output')
-        return status is not None and status.message.startswith('inactive (configured)') \
+        return status is not None and status.message.startswith('inactive (configured') \
             and _level(status) == DiagnosticStatus.WARN
     assert g.wait_for(inactive, 10.0)
+    # configured with random weights: said while inactive too, not only once active
+    assert 'serving RANDOM WEIGHTS' in g.status('output').message
 
 
 @pytest.mark.parametrize('ending', ['error', 'shutdown'])
@@ -300,7 +277,7 @@ def test_the_configure_heartbeat_stops_when_configure_fails_or_is_shut_down(grap
     if ending == 'error':
         assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
         assert 'CUDA out of memory' in g.log.text('error')
-        assert g.policy._idle_state[0] == DiagnosticStatus.ERROR
+        assert g.policy._idle.state[0] == DiagnosticStatus.ERROR
     else:
         with pytest.raises(KeyboardInterrupt):
             g.policy.trigger_configure()

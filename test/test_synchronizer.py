@@ -307,3 +307,12 @@ def test_stats_name_configured_joints_that_never_arrive():
     sync.add_joint_state(['joint_a', 'joint_b'], [0.1, 0.2], 10.0, 10.0)
     stats = sync.stats(now=10.0)['/joint_states']
     assert stats.age is None and stats.problem == "joints ['finger'] never received"
+
+
+def test_joint_state_stats_give_each_joints_age_and_camera_stats_none():
+    sync = _sync()
+    sync.add_joint_state([JOINTS[0]], [0.1], stamp=10.0, received=10.0)
+    sync.add_joint_state([JOINTS[1]], [0.2], stamp=11.0, received=11.0)
+    stats = sync.stats(11.5)
+    assert stats['/joint_states'].joint_ages == pytest.approx({JOINTS[0]: 1.5, JOINTS[1]: 0.5})
+    assert stats[CAMERAS[0]].joint_ages is None

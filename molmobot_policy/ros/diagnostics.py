@@ -21,7 +21,7 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   monitor that reads only levels must not see an untrained model as OK); carries what is served (checkpoint and weights fingerprint, or
   RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 exceeds diag_jitter_warn_ms /
-  diag_jitter_error_ms, WARN with the last skip reason since the previous update; the
+  diag_jitter_error_ms, WARN with the last skip reason while ticks are skipped; the
   loop's counters, sensor-to-publish age and garbage-collector pauses.
 - `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
   they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
@@ -36,12 +36,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.clock import Clock, ClockType
 
 from molmobot_policy.ros.serving import serves_random_weights
+from molmobot_policy.ros.synchronizer import stale_while_others_current
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
@@ -177,10 +179,12 @@ class InputTask(DiagnosticTask):
         elif stats.age is None:
             stat.summary(ERROR, 'no usable message received')
         elif stats.age > 2 * max_age:      # stale for longer than its max age: a dead input
-            stat.summary(ERROR, f'stale: age {stats.age:.3f} s > {max_age:.3f} s for '
-                                f'{stats.age - max_age:.1f} s (longer than {self._max_age})')
+            stat.summary(ERROR, f'stale{_which(stats, max_age)}: age {stats.age:.3f} s > '
+                                f'{max_age:.3f} s for {stats.age - max_age:.1f} s (longer than '
+                                f'{self._max_age})')
         elif stats.age > max_age:
-            stat.summary(WARN, f'stale: age {stats.age:.3f} s > {max_age:.3f} s')
+            stat.summary(WARN, f'stale{_which(stats, max_age)}: age {stats.age:.3f} s > '
+                               f'{max_age:.3f} s')
         elif stats.rate_hz < min_rate:
             stat.summary(WARN, f'rate {stats.rate_hz:.1f} Hz < {min_rate:.1f} Hz')
         else:
@@ -235,7 +239,8 @@ class InferenceTask(DiagnosticTask):
 
 class ScheduleTask(DiagnosticTask):
     """The schedule: `stats` a `timing.LoopStats`, `gc_pauses` a `timing.GcPauses`,
-    `frames_decoded()` -> camera frames decoded so far. Clears `stats.last_skip`."""
+    `frames_decoded()` -> camera frames decoded so far. WARN naming `stats.last_skip` while
+    ticks are skipped (the loop clears it when a chunk is published)."""
 
     def __init__(self, stats, gc_pauses, frames_decoded: Callable[[], int],
                  parameter: Callable[[str], object]) -> None:
@@ -255,7 +260,6 @@ class ScheduleTask(DiagnosticTask):
             stat.summary(WARN, f'last skip: {stats.last_skip}')
         else:
             stat.summary(OK, 'ok')
-        stats.last_skip = ''
         add_summary_ms(stat, 'publish_jitter', jitter)
         add_summary_ms(stat, 'sensor_to_publish_age', stats.age_ms.summary())
         for key in ('chunks_published', 'deadline_misses', 'dropped_actions', 'skipped_ticks',
@@ -292,6 +296,60 @@ def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], t
     updater.setHardwareID(node.get_name())
     updater.add(IdleOutputTask(state))
     return updater
+
+
+def _which(stats, max_age: float) -> str:
+    """' for joints [...]' when only some joints of a joint state topic are stale
+    (`stale_while_others_current`), else ''."""
+    stale = stale_while_others_current(stats.joint_ages or {}, max_age)
+    return f' for joints {stale}' if stale else ''
+
+
+class IdleStatus:
+    """The 'output' status while the node is not active (`idle_updater` of `state`, created
+    on the first `set`), and the configure heartbeat.
+
+    Args:
+        node: the rclpy node. parameter: name -> the node parameter's value.
+    """
+
+    def __init__(self, node, parameter: Callable[[str], object]) -> None:
+        self._node, self._parameter = node, parameter
+        self._updater: Updater | None = None
+        self.state: tuple = (WARN, '')      # (level, message)
+
+    def set(self, level, message: str) -> None:
+        """Publish (level, message) from now on (every diagnostics_period)."""
+        self.state = (level, message)
+        if self._updater is None:
+            self._updater = idle_updater(self._node, self._parameter, lambda: self.state)
+
+    def step(self, text: str) -> None:
+        """OK 'configuring: <text>'."""
+        self.set(OK, f'configuring: {text}')
+
+    def stop(self) -> None:
+        """Stop publishing (activate: the full diagnostics take over; destroy)."""
+        if self._updater is not None:
+            self._updater.destroy()
+            self._updater = None
+
+    @contextmanager
+    def configuring(self, first_step: str):
+        """Within: OK 'configuring: <step>' published by a `Heartbeat` thread (configure
+        blocks the executor, so the updater's timer cannot fire). Left while still
+        'configuring' (an exception: shutting down): WARN 'configure interrupted'."""
+        self.step(first_step)
+        heartbeat = Heartbeat(self._updater, self._parameter('diagnostics_period'),
+                              name=f'{self._node.get_name()} configure heartbeat').start()
+        try:
+            yield
+        finally:
+            heartbeat.stop()
+            if self.state[1].startswith('configuring: '):
+                # the node may be destroyed already: set the state, create no updater
+                self.state = (WARN, 'configure interrupted (shutting down): no commands are '
+                                    'sent')
 
 
 class Heartbeat:

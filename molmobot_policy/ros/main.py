@@ -40,6 +40,7 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
+from molmobot_policy.ros.report import print_log
 
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
                             # GIL-holding callback thread delays the worker's wake-up
@@ -142,12 +143,6 @@ class ParentWatch:
 
 _SEVERITY = {logging.CRITICAL: 'FATAL', logging.ERROR: 'ERROR', logging.WARNING: 'WARN',
              logging.INFO: 'INFO'}
-
-
-def print_log(name: str, severity: str, message: str) -> None:
-    """A log line in the ROS console format, printed to stderr: for when no ROS logger can
-    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down)."""
-    print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)
 
 
 class RosLogHandler(logging.Handler):

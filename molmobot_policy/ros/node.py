@@ -36,8 +36,8 @@ from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver
-from molmobot_policy.ros.diagnostics import (ERROR, OK, WARN, Heartbeat, Updater,
-                                             idle_updater, policy_updater)
+from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
+                                             policy_updater)
 from molmobot_policy.ros.param_files import unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
@@ -93,22 +93,10 @@ class PolicyNode(LifecycleNode):
         self._receiver_failed = ''      # the receiver's exit, logged once per activation
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
-        self._idle_diagnostics: Updater | None = None   # while not active
+        self._idle = IdleStatus(self, self._param)      # while not active
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._validate_parameters)
-        self._idle((WARN, 'unconfigured: no commands are sent (configure, then activate)'))
-
-    def _idle(self, state: tuple | None) -> None:
-        """Publish `state` ((level, message)) as the 'output' status while the node is not
-        active (ros.diagnostics.idle_updater); None: stop it (activate, destroy)."""
-        if state is None:
-            if self._idle_diagnostics is not None:
-                self._idle_diagnostics.destroy()
-                self._idle_diagnostics = None
-            return
-        self._idle_state = state
-        if self._idle_diagnostics is None:
-            self._idle_diagnostics = idle_updater(self, self._param, lambda: self._idle_state)
+        self._idle.set(WARN, 'unconfigured: no commands are sent (configure, then activate)')
 
     def _param(self, name: str):
         return self.get_parameter(name).value
@@ -135,23 +123,13 @@ class PolicyNode(LifecycleNode):
         return self.trigger_activate() == TransitionCallbackReturn.SUCCESS
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        # configure runs in the executor thread (or before it spins) for seconds to minutes:
-        # the idle diagnostics' timer cannot fire, so a heartbeat thread publishes meanwhile
-        self._idle((OK, 'configuring: checking the parameters'))
-        heartbeat = Heartbeat(self._idle_diagnostics, self._param('diagnostics_period'),
-                              name=f'{self.get_name()} configure heartbeat').start()
-        try:
+        # seconds to minutes in the executor thread: a heartbeat publishes the status
+        with self._idle.configuring('checking the parameters'):
             return self._configure()
-        finally:
-            heartbeat.stop()
-            if self._idle_state[1].startswith('configuring: '):   # interrupted (shutdown;
-                # the node may be destroyed already: set the state, create no updater)
-                self._idle_state = (WARN, 'configure interrupted (shutting down): no '
-                                          'commands are sent')
 
     def _configuring(self, step: str) -> None:
         """Log the configure step and show it on the 'output' status (OK 'configuring: ...')."""
-        self._idle((OK, f'configuring: {step}'))
+        self._idle.step(step)
         self.get_logger().info(f'configuring: {step}')
 
     def _configure(self) -> TransitionCallbackReturn:
@@ -192,7 +170,7 @@ class PolicyNode(LifecycleNode):
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             self.get_logger().error(f'configure failed: {message}')
             self._close_engine()
-            self._idle((ERROR, f'configure failed, no commands are sent: {message}'))
+            self._idle.set(ERROR, f'configure failed, no commands are sent: {message}')
             return TransitionCallbackReturn.FAILURE
         if self._param('gc_freeze'):        # the start-up heap lives until cleanup
             self._froze_heap = True
@@ -206,7 +184,9 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
                                       'run time)')
-        self._idle((WARN, 'inactive (configured): no commands are sent until activated'))
+        random = f', serving {self.served}' if serves_random_weights(self.served) else ''
+        self._idle.set(WARN, f'inactive (configured{random}): no commands are sent until '
+                       'activated')
         return TransitionCallbackReturn.SUCCESS
 
     def _log_served(self) -> None:
@@ -225,11 +205,11 @@ class PolicyNode(LifecycleNode):
 
     def _warmup_progress(self, message: str) -> None:
         self._check_not_shut_down()
-        self._idle((OK, f'configuring: {message}'))
+        self._idle.step(message)
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._idle(None)            # the full diagnostics take over
+        self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         cameras = camera_subscriptions(self._param)
         self._sync = ObservationSynchronizer(
@@ -302,14 +282,14 @@ class PolicyNode(LifecycleNode):
         if self._diagnostics is not None:
             self._diagnostics.destroy()
             self._diagnostics = None
-        self._idle((WARN, 'inactive (deactivated): no commands are sent'))
+        self._idle.set(WARN, 'inactive (deactivated): no commands are sent')
         chunks = self.loop.stats.chunks_published if self.loop else 0
         self.get_logger().info(f"deactivated after {chunks} chunk{'' if chunks == 1 else 's'}")
         return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._close_engine()
-        self._idle((WARN, 'unconfigured (cleaned up): no commands are sent'))
+        self._idle.set(WARN, 'unconfigured (cleaned up): no commands are sent')
         self.get_logger().info('cleaned up: engine released, unconfigured')
         return TransitionCallbackReturn.SUCCESS
 
@@ -325,7 +305,7 @@ class PolicyNode(LifecycleNode):
             self._stop_loop()
             self._stop_receiver()
         finally:
-            self._idle(None)
+            self._idle.stop()
             self._close_engine()
             super().destroy_node()
 

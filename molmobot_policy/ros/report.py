@@ -2,6 +2,8 @@
 updates and input resets (`LoopReport`, a `timing.LoopEvents`; runs on the worker thread)."""
 from __future__ import annotations
 
+import sys
+import time
 from typing import Callable
 
 from molmobot_policy.ros import messages
@@ -27,14 +29,27 @@ class LoopReport(LoopEvents):
     def _log(self):
         return self._node.get_logger()
 
+    def _printed(self, severity: str, message: str) -> bool:
+        """Print `message` (ROS console format) and return True once Ctrl-C shut the context
+        down (the worker may still report its last tick): /rosout cannot take it then, and
+        rclpy would print 'Failed to publish log message to rosout'. Each event method calls
+        its logger itself, so rclpy's throttling keeps one call site per event."""
+        if self._node.context.ok():
+            return False
+        print_log(self._node.get_name(), severity, message)
+        return True
+
     def skipped(self, tick: int, reason: str) -> None:
         self._watchdog.skipped(reason)
-        self._log().warning(f'skipping tick {tick}: {reason}',
-                            throttle_duration_sec=WARN_THROTTLE_S)
+        message = f'skipping tick {tick}: {reason}'
+        if not self._printed('WARN', message):
+            self._log().warning(message, throttle_duration_sec=WARN_THROTTLE_S)
 
     def failed(self, tick: int, error: Exception) -> None:
-        self._watchdog.skipped(f'tick {tick} failed: {error!r}')
-        self._log().error(f'tick {tick} failed: {error!r}', throttle_duration_sec=WARN_THROTTLE_S)
+        message = f'tick {tick} failed: {error!r}'
+        self._watchdog.skipped(message)
+        if not self._printed('ERROR', message):
+            self._log().error(message, throttle_duration_sec=WARN_THROTTLE_S)
 
     def clock_jumped(self, seconds: float) -> None:
         # the stored inputs' stamps are in the old time base: each would be refused as in
@@ -64,8 +79,15 @@ class LoopReport(LoopEvents):
                      'rad (or m) from the measured joints')
             limited = (f', limited: {report.velocity_limited} values by max_joint_velocity, '
                        f'{report.position_clipped} by the position limits{began}')
-        self._log().info(
-            f'chunk {report.count}: observation age {report.observation_age_ms:.0f} ms, '
-            f'inference {report.inference_ms:.0f} ms, {len(report.positions)} points '
-            f'({report.dropped} dropped), first action '
-            f'{messages.format_action(report.positions[0])}{limited}')
+        message = (f'chunk {report.count}: observation age {report.observation_age_ms:.0f} '
+                   f'ms, inference {report.inference_ms:.0f} ms, {len(report.positions)} '
+                   f'points ({report.dropped} dropped), first action '
+                   f'{messages.format_action(report.positions[0])}{limited}')
+        if not self._printed('INFO', message):
+            self._log().info(message)
+
+
+def print_log(name: str, severity: str, message: str) -> None:
+    """A log line in the ROS console format, printed to stderr: for when no ROS logger can
+    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down)."""
+    print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)

@@ -25,6 +25,14 @@ from molmobot_policy.ros.codec import decode_image
 from molmobot_policy.types import Observation
 
 
+def stale_while_others_current(ages: dict[str, float], max_age: float) -> list[str]:
+    """The joints of `ages` (s since each joint's newest header stamp, one joint state topic)
+    older than `max_age` while another joint on it is current: a joint its driver stopped
+    publishing, not a late topic. [] when none is stale or none is current."""
+    stale = [name for name, age in ages.items() if age > max_age]
+    return stale if stale and len(stale) < len(ages) else []
+
+
 @dataclass(frozen=True)
 class Skip:
     """Why no observation could be built for this tick.
@@ -63,6 +71,8 @@ class TopicStats:
             joints never sent); '' when none.
         problem_age: s the problem has lasted without a usable message in between (None
             without a problem, or for joints never sent).
+        joint_ages: the joint state topic only: s since each configured joint's newest
+            stamp (a joint its driver stopped publishing is older than the rest); else None.
     """
 
     rate_hz: float
@@ -70,6 +80,7 @@ class TopicStats:
     count: int
     problem: str = ''
     problem_age: float | None = None
+    joint_ages: dict[str, float] | None = None
 
 
 class ObservationSynchronizer:
@@ -273,10 +284,9 @@ class ObservationSynchronizer:
         """'<stale>: age <s> > max_state_age <s>', asking whether they are still published
         when other joints of the topic are current (a dropped joint, not a late topic)."""
         with self._lock:
-            joints = dict(self._joints)
-        age = max(now - joints[n][1] for n in stale)
-        limit = f'age {age:.3f} s > max_state_age {max_age:.3f} s'
-        if not any(0.0 <= now - j[1] <= max_age for n, j in joints.items() if n not in stale):
+            ages = {n: now - j[1] for n, j in self._joints.items()}
+        limit = f'age {max(ages[n] for n in stale):.3f} s > max_state_age {max_age:.3f} s'
+        if not stale_while_others_current(ages, max_age):
             return f'{stale}: {limit}'
         return (f'{stale} ({limit}) while other joints on it are current: is '
                 f"{'that joint' if len(stale) == 1 else 'those joints'} still published?")
@@ -458,11 +468,13 @@ class ObservationSynchronizer:
                     seen = [self._joints.get(n) for n in self.joint_names]
                     age = None if None in seen else now - min(j[1] for j in seen)
                     never = [n for n, j in zip(self.joint_names, seen) if j is None]
+                    ages = {n: now - j[1] for n, j in zip(self.joint_names, seen) if j}
                     if never and self._counts[topic] and not problem:
                         problem = f'joints {never} never received'
                 else:
                     frame = self._frames.get(topic)
-                    age = None if frame is None else now - frame.stamp
+                    age, ages = (None if frame is None else now - frame.stamp), None
                 result[topic] = TopicStats(rate, age, self._counts[topic], problem,
-                                           None if since is None else max(now - since, 0.0))
+                                           None if since is None else max(now - since, 0.0),
+                                           ages)
             return result

@@ -357,6 +357,7 @@ class PolicyLoop:
         stats.jitter_ms.add(jitter_ms)
         stats.age_ms.add(age_ms)
         stats.chunks_published += 1
+        stats.last_skip = ''           # skipping ended
         self._events.published(ChunkReport(
             tick=tick.index, observation_seq=observation.seq,
             observation_stamp=observation.stamp, observation_age_ms=age_ms,

@@ -103,8 +103,8 @@ class LoopStats:
             limits, summed over the published chunks.
         deadline_misses: ticks skipped because their start time had passed, plus chunks
             published more than half a control period after their deadline.
-        last_skip: the latest reason a tick published nothing ('' when none; the schedule
-            diagnostic clears it after reporting it).
+        last_skip: the latest reason a tick published nothing, until a chunk is published
+            again ('' then): the schedule diagnostic stays WARN while ticks are skipped.
     """
 
     def __init__(self, window: int = STATS_WINDOW) -> None:
