@@ -57,6 +57,11 @@ CPU sanity run with the tiny model (2 cores: fewer, smaller frames; ratios only)
         --height 96 --width 128 --chunk-period 1.0 --control-period 0.2 --duration 60
 Compressed cameras (jpeg; the decode rows then show what decoding costs the node): add
 `--camera-transport compressed` to either.
+Cameras received in a process of the node's own (`--camera-receiver subprocess`: the node's
+`camera_receiver: subprocess`, a child process subscribing the cameras and passing the
+newest frames through shared memory; issue 19): add it to either. The node's CPU row then
+leaves the child out; `node_children` is the CPU of every process the node started (the
+receiver and multiprocessing's resource tracker).
 
 Export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (the default set here if unset) and a
 ROS_DOMAIN_ID of your own; every process inherits them, and FASTDDS_DEFAULT_PROFILES_FILE
@@ -82,7 +87,7 @@ import yaml
 import common
 from common import REPO, cpu_seconds, summary
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
-from molmobot_policy.ros.parameters import CAMERA_TRANSPORTS  # noqa: E402
+from molmobot_policy.ros.parameters import CAMERA_RECEIVERS, CAMERA_TRANSPORTS  # noqa: E402
 
 NODE_NAME = 'molmobot_policy'
 CHUNK_INFO_TOPIC = f'/{NODE_NAME}/chunk_info'
@@ -318,6 +323,7 @@ def node_parameters(args, camera_topics: list[str], joints: list[str]) -> dict:
         'autostart': True,
         'camera_topics': list(camera_topics), 'camera_qos': 'sensor_data',
         'camera_transports': [args.camera_transport],
+        'camera_receiver': args.camera_receiver,
         'joint_state_topic': args.joint_topic,
         'joint_names': list(joints), 'action_joint_names': list(joints),
         'instruction': args.instruction,
@@ -424,8 +430,26 @@ def cpu_percent(before: dict, after: dict, seconds: float) -> dict:
         / max(1, after['machine'][1] - before['machine'][1])}
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (/proc/<pid>/task/<tid>/children)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f'/proc/{parent}/task').glob('*/children'):
+            try:
+                pids = [int(c) for c in children.read_text().split()]
+            except OSError:
+                continue
+            found.extend(pids)
+            todo.extend(pids)
+    return found
+
+
 def cpu_snapshot(processes: dict[str, Process]) -> dict:
     snapshot = {name: cpu_seconds(p.pid) for name, p in processes.items()}
+    if 'node' in processes:     # the camera receiver process (--camera-receiver subprocess)
+        snapshot['node_children'] = sum(cpu_seconds(c)
+                                        for c in descendants(processes['node'].pid))
     snapshot['recorder'] = cpu_seconds(os.getpid())
     snapshot['machine'] = machine_cpu()
     return snapshot
@@ -435,6 +459,7 @@ def print_table(run: dict) -> None:
     r, c = run['results'], run['config']
     images = ('rgb8' if c['camera_transport'] == 'raw'
               else f"rgb8 as jpeg q{c['jpeg_quality']} on <topic>/compressed")
+    images += f" received {c.get('camera_receiver', 'in_process')}"
     sizes = list(r.get('camera_message_bytes', {}).values())
     if sizes:
         images += f' ({np.mean(sizes) / 1024:.0f} KiB per message)'
@@ -537,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="'raw': sensor_msgs/Image rgb8 on each camera topic; 'compressed': "
              'sensor_msgs/CompressedImage (jpeg of the same frames, encoded once) on '
              '<topic>/compressed, the node decoding them (camera_transports: [compressed])')
+    add('--camera-receiver', default='in_process', choices=CAMERA_RECEIVERS,
+        help="the node's camera_receiver: 'in_process' (its own subscriptions) or "
+             "'subprocess' (a child process receives the cameras and passes the newest "
+             'frames through shared memory)')
     add('--jpeg-quality', type=int, default=JPEG_QUALITY,
         help='jpeg quality 1..100 with --camera-transport compressed (OpenCV default 95)')
     add('--joint-rate', type=float, default=100.0, help='Hz')

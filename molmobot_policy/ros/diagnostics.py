@@ -50,13 +50,17 @@ OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.E
 
 def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[str], object],
                    now: Callable[[], float], mode: Callable[[], dict], served: str,
-                   sim_time: Callable[[], bool]) -> Updater:
+                   sim_time: Callable[[], bool],
+                   refresh: Callable[[], object] | None = None) -> Updater:
     """The node's Updater (period: the diagnostics_period parameter) with its tasks: one
     `InputTask` per camera of `sync` (an ObservationSynchronizer) and for its joint state,
     `InferenceTask`, `ScheduleTask` and `OutputTask` over `loop` (a timing.PolicyLoop: its
     stats and latency) and `watchdog` (a timing.OutputWatchdog); `now()` -> ROS time, s;
-    `served`: what the engine serves; `sim_time()` -> True while ROS time follows /clock."""
+    `served`: what the engine serves; `sim_time()` -> True while ROS time follows /clock;
+    `refresh()` runs before each update (the camera receiver process's newest frames into
+    `sync`)."""
     updater = Updater(node, parameter('diagnostics_period'))
+    updater.before_update = refresh
     updater.setHardwareID(node.get_name())
     inputs = [('camera', t, 'max_image_age') for t in sync.camera_topics]
     for label, topic, max_age in inputs + [('joint state', sync.joint_state_topic,
@@ -106,6 +110,7 @@ class Updater:
         self._node = node
         self._tasks: list[DiagnosticTask] = []
         self._hardware_id = ''
+        self.before_update: Callable[[], object] | None = None     # runs before the tasks
         self._publisher = node.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._timer = node.create_timer(period, self.update,
                                         clock=Clock(clock_type=ClockType.STEADY_TIME))
@@ -118,6 +123,8 @@ class Updater:
 
     def update(self) -> None:
         """Run every task, in the order added, and publish their statuses."""
+        if self.before_update is not None:
+            self.before_update()
         statuses = []
         for task in self._tasks:
             stat = DiagnosticStatusWrapper(level=ERROR, message='No message was set',

@@ -7,7 +7,10 @@ A lifecycle node (rclpy.lifecycle) that wires plain pieces together:
   with allow_random_weights), all before any weights load; then it builds and warms up the
   engine and logs what it serves;
 - activate creates the subscriptions (raw or compressed cameras; their callbacks only store
-  the newest message in an `ObservationSynchronizer`, which refuses future or unset stamps),
+  the newest message in an `ObservationSynchronizer`, which refuses future or unset stamps;
+  with `camera_receiver: subprocess` a child process receives the cameras instead and the
+  worker copies the newest frames out of shared memory into the synchronizer before each
+  observation: `ros.camera_receiver`),
   the publishers, the diagnostics (`ros.diagnostics`) and the worker, a `timing.PolicyLoop`
   on the node's ROS clock (sim time aware): it ticks on absolute deadlines, runs
   `engine.predict` on the newest observation, stitches the chunk, limits it against the
@@ -32,6 +35,7 @@ from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
+from molmobot_policy.ros.camera_receiver import CameraReceiver
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
 from molmobot_policy.ros.param_files import unmatched_parameter_files
@@ -85,6 +89,8 @@ class PolicyNode(LifecycleNode):
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
         self._input_subscriptions = []
+        self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
+        self._receiver_failed = ''      # the receiver's exit, logged once per activation
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
         self._idle = IdleStatus(self, self._param)      # while not active
@@ -215,10 +221,14 @@ class PolicyNode(LifecycleNode):
         else:
             camera_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                                     history=HistoryPolicy.KEEP_LAST)
-        for topic, compressed in cameras:
-            self._input_subscriptions.append(self.create_subscription(
-                CompressedImage if compressed else Image, topic,
-                functools.partial(self._on_image, topic), camera_qos))
+        if self._param('camera_receiver') == 'subprocess':
+            self._receiver = CameraReceiver(self.get_name(), self.get_namespace(), cameras,
+                                            self._param('camera_qos'))
+        else:
+            for topic, compressed in cameras:
+                self._input_subscriptions.append(self.create_subscription(
+                    CompressedImage if compressed else Image, topic,
+                    functools.partial(self._on_image, topic), camera_qos))
         # best effort subscriptions also match reliable publishers
         self._input_subscriptions.append(self.create_subscription(
             JointState, joint_state_topic, self._on_joint_state, qos_profile_sensor_data))
@@ -242,7 +252,14 @@ class PolicyNode(LifecycleNode):
         self._diagnostics = policy_updater(
             self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
             mode=lambda: dict(self.engine.mode) if self.engine is not None else {},
-            served=self.served, sim_time=sim_time)
+            served=self.served, sim_time=sim_time,
+            refresh=self._poll_receiver if self._receiver is not None else None)
+        if self._receiver is not None:
+            self._receiver_failed = ''
+            self._receiver.start()
+            self.get_logger().info(f'cameras received by process {self._receiver.pid} (node '
+                                   f'{self._receiver.node_name}, shared memory '
+                                   f'{self._receiver.segment})')
         self.loop.start()
         self.get_logger().info(
             f"active: {len(cameras)} cameras ({', '.join(t for t, _ in cameras)}), chunk every "
@@ -252,6 +269,7 @@ class PolicyNode(LifecycleNode):
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._stop_loop()
+        self._stop_receiver()
         self._watchdog.stop()
         self.gc_pauses.remove()
         for subscription in self._input_subscriptions:
@@ -283,14 +301,25 @@ class PolicyNode(LifecycleNode):
 
     def destroy_node(self) -> None:
         """Stops the worker and releases the engine, then destroys the node."""
-        self._stop_loop()
-        self._idle.stop()
-        self._close_engine()
-        super().destroy_node()
+        try:
+            self._stop_loop()
+            self._stop_receiver()
+        finally:
+            self._idle.stop()
+            self._close_engine()
+            super().destroy_node()
 
     def _stop_loop(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+
+    def _stop_receiver(self) -> None:
+        """Stop the camera receiver process and remove its shared memory (idempotent)."""
+        if self._receiver is not None:
+            try:
+                self._receiver.stop()
+            finally:
+                self._receiver = None
 
     def _close_engine(self) -> None:
         if self.engine is not None:
@@ -311,8 +340,29 @@ class PolicyNode(LifecycleNode):
                                     self._now()):
             refused = self._sync.refused(topic)     # '' for a frame older than the stored
             if refused:
-                self.get_logger().warning(f'camera {topic}: {refused}',
-                                          throttle_duration_sec=WARN_THROTTLE_S)
+                self._warn_refused(topic, refused)
+
+    def _warn_refused(self, topic: str, refused: str) -> None:
+        self.get_logger().warning(f'camera {topic}: {refused}',
+                                  throttle_duration_sec=WARN_THROTTLE_S)
+
+    def _poll_receiver(self) -> str:
+        """camera_receiver subprocess: the newest frames into the synchronizer (worker
+        before each observation, diagnostics before each update); returns '' or why no
+        frames can arrive (the receiver process exited: logged once)."""
+        receiver = self._receiver
+        if receiver is None:
+            return ''
+        problem = receiver.problem()
+        if problem:
+            if not self._receiver_failed:
+                self._receiver_failed = problem
+                self.get_logger().error(f'{problem}: no camera frames arrive; every tick is '
+                                        'skipped until the node is deactivated and activated '
+                                        'again')
+            return problem
+        receiver.poll(self._sync, self._warn_refused)
+        return ''
 
     def _on_joint_state(self, msg: JointState) -> None:
         topic = self._sync.joint_state_topic
@@ -334,6 +384,9 @@ class PolicyNode(LifecycleNode):
         if not instruction.strip():     # allowed at configure, to be set at run time
             return ("parameter 'instruction' is empty: set it to the task text (it may change "
                     'at run time)')
+        problem = self._poll_receiver()
+        if problem:
+            return f'{problem}: no camera frames arrive'
         return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
                                 instruction=instruction)
 

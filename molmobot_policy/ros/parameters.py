@@ -25,6 +25,7 @@ DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
 DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
 CAMERA_QOS = ('sensor_data', 'reliable')
 CAMERA_TRANSPORTS = ('raw', 'compressed')
+CAMERA_RECEIVERS = ('in_process', 'subprocess')
 DEFAULT_MAX_JOINT_VELOCITY = 1.5    # rad/s: below common arm limits (Franka 2.2-2.6, UR
                                     # 3.1 rad/s); above what the demo's Jaco moves (its
                                     # actuators: 0.6-0.8 rad/s)
@@ -72,6 +73,12 @@ PARAMETERS = {
         "per camera topic 'raw' (sensor_msgs/Image on the topic) or 'compressed' "
         "(sensor_msgs/CompressedImage, jpeg or png, on <topic>/compressed, as image_transport "
         'names it); one value: every camera', _SA)),
+    'camera_receiver': ('in_process', descriptor(
+        'where the camera messages are received', _S,
+        constraints="'in_process' (this node's subscriptions) or 'subprocess' (a child "
+        "process, node <name>_camera_receiver, receives them and passes the newest frame of "
+        'each camera through shared memory, so that the camera traffic takes no time from '
+        "this process's interpreter; system clock only: refused with use_sim_time)")),
     'joint_state_topic': ('/joint_states', descriptor('sensor_msgs/JointState topic', _S)),
     'joint_names': (DEFAULT_JOINTS, descriptor(
         'joints making up the state vector, in order (matched by name)', _SA)),
@@ -313,6 +320,15 @@ def check_parameter_values(parameter) -> None:
                              f'{list(CAMERA_TRANSPORTS)}')
     for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max'):
         per_joint(parameter, name)
+    receiver = parameter('camera_receiver')
+    if receiver not in CAMERA_RECEIVERS:
+        raise ParameterError('camera_receiver', receiver,
+                             f'is not one of {list(CAMERA_RECEIVERS)}')
+    if receiver == 'subprocess' and parameter('use_sim_time'):
+        raise ParameterError('camera_receiver', receiver,
+                             "cannot serve with use_sim_time: true (the receiver process "
+                             "stamps receive times on the system clock, not /clock); set "
+                             "camera_receiver: 'in_process' or use_sim_time: false")
 
 
 def per_joint(parameter, name: str) -> list[float] | None:

@@ -167,12 +167,16 @@ class ObservationSynchronizer:
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
 
     # ----------------------------------------------------------------- store (callbacks)
-    def add_image(self, topic: str, msg, stamp: float, received: float) -> bool:
+    def add_image(self, topic: str, msg, stamp: float, received: float,
+                  earlier_receives: Sequence[float] = ()) -> bool:
         """Store `msg` as the newest frame of `topic` unless it is older than the stored one.
 
         Args:
             topic: one of `camera_topics`. msg: the image message (kept undecoded).
             stamp: its header stamp, s. received: receive time, s.
+            earlier_receives: receive times (s, oldest first) of messages on `topic` that
+                arrived before this one and are never offered (a receiver that keeps only
+                the newest frame, `ros.camera_receiver`): counted in `stats` only.
 
         Returns:
             True if stored, False if dropped: older than the stored frame, or refused for
@@ -186,6 +190,8 @@ class ObservationSynchronizer:
                            f'{list(self.camera_topics)}')
         problem = self.stamp_problem(stamp, received)
         with self._lock:
+            for earlier in earlier_receives:
+                self._note_receive(topic, earlier)
             self._note_receive(topic, received)
             self._note_problem(self._refused, topic,
                                problem and f'newest frame refused: {problem}', received)

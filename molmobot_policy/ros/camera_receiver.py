@@ -1,0 +1,191 @@
+"""The cameras received in a process of their own (`camera_receiver: subprocess`).
+
+The policy node's executor thread would otherwise turn every camera message (8 cameras x
+30 Hz of 921 KB rgb8 frames) into a Python message and run a callback for it, holding the
+GIL its worker needs between the CUDA calls of inference. Here a child process (its own
+interpreter, its own rclpy context and node `<node>_camera_receiver` in the node's
+namespace, the node's camera topics, transports and QoS) subscribes the cameras and writes
+each message into its camera's slot of a `ros.frame_slots.FrameSlots` segment, with its
+header stamp and the receive time on the child's system clock. The policy process copies
+the newest frame of each camera out (`CameraReceiver.poll`: the worker before each
+observation, the diagnostics before each update) into its `ObservationSynchronizer`, which
+applies every input rule (unset, future and older stamps, stale and undecodable frames) as
+for a message received in the node; frames overwritten between two polls are counted in
+its receive statistics but never offered.
+
+Only the system clock: the receive times come from the child's clock, which does not
+follow /clock; the node refuses `subprocess` with use_sim_time (`ros.parameters`).
+
+Lifetime: `start` creates the segment (a unique name) and starts the child ('spawn'
+start method: no fork of a process with CUDA and DDS threads); `stop` asks it to end,
+kills it after STOP_TIMEOUT_S, and unlinks the segment. The child also ends when its
+parent is gone. A child that exits is reported by `problem` ("camera receiver process
+exited with code N"): the node skips its ticks with that reason and keeps running.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+from molmobot_policy.ros.frame_slots import DEFAULT_CAPACITY, FrameSlots
+
+STOP_TIMEOUT_S = 5.0        # the child's time to end after being asked, before SIGKILL
+SPIN_TIMEOUT_S = 0.1        # the child checks its stop event and its parent this often
+
+
+class CameraReceiver:
+    """The receiver child of one activation (policy-process side).
+
+    Args:
+        node_name: the policy node's name (the child's node is `<node_name>_camera_receiver`).
+        namespace: the policy node's namespace.
+        cameras: (topic to subscribe, compressed?) per camera, in camera order
+            (`ros.parameters.camera_subscriptions`).
+        camera_qos: 'sensor_data' or 'reliable' (the camera_qos parameter).
+        capacity: data bytes per camera slot.
+    """
+
+    def __init__(self, node_name: str, namespace: str, cameras, camera_qos: str,
+                 capacity: int = DEFAULT_CAPACITY) -> None:
+        self.node_name = f'{node_name}_camera_receiver'
+        self._namespace, self._cameras = namespace, list(cameras)
+        self._qos, self._capacity = camera_qos, capacity
+        self._slots: FrameSlots | None = None
+        self._process = None
+        self._stop = None
+        self._seen = [0] * len(self._cameras)     # the last message count read per camera
+        self._lock = threading.Lock()             # poll: worker and diagnostics threads
+
+    @property
+    def segment(self) -> str | None:
+        """The shared-memory segment's name while started, else None."""
+        return None if self._slots is None else self._slots.name
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Create the segment and start the child (returns at once: the child subscribes
+        once its interpreter and rclpy have started)."""
+        context = multiprocessing.get_context('spawn')
+        self._slots = FrameSlots.create(len(self._cameras), self._capacity)
+        try:
+            self._stop = context.Event()
+            self._process = context.Process(
+                target=run_receiver, name=self.node_name, daemon=True,
+                args=(self.node_name, self._namespace, self._cameras, self._qos,
+                      self._slots.name, self._capacity, self._stop, os.getpid()))
+            self._process.start()
+        except BaseException:
+            self._slots.unlink()
+            self._slots = None
+            raise
+
+    def problem(self) -> str:
+        """'' while the child runs, else why no frames can arrive."""
+        if self._process is None:
+            return 'camera receiver process not started'
+        code = self._process.exitcode
+        return '' if code is None else f'camera receiver process exited with code {code}'
+
+    def poll(self, sync, log=None) -> int:
+        """Offer `sync` (an ObservationSynchronizer) each camera's newest frame written since
+        the last poll. Returns how many were offered. `log(topic, reason)` is called for a
+        frame `sync` refused for its stamp."""
+        offered = 0
+        with self._lock:
+            if self._slots is None:
+                return 0
+            for k, (topic, _) in enumerate(self._cameras):
+                frame = self._slots.read(k, since=self._seen[k])
+                if frame is None:
+                    continue
+                self._seen[k] = frame.count
+                offered += 1
+                stored = sync.add_image(topic, frame.message, frame.stamp, frame.received,
+                                        earlier_receives=frame.earlier_receives)
+                if not stored and log is not None:
+                    refused = sync.refused(topic)
+                    if refused:
+                        log(topic, refused)
+        return offered
+
+    def stop(self) -> None:
+        """Ask the child to end (SIGKILL after STOP_TIMEOUT_S), then unlink the segment.
+        Idempotent."""
+        try:
+            if self._process is not None:
+                self._stop.set()
+                self._process.join(STOP_TIMEOUT_S)
+                if self._process.exitcode is None:
+                    self._process.kill()
+                    self._process.join(STOP_TIMEOUT_S)
+        finally:
+            with self._lock:
+                if self._slots is not None:
+                    self._slots.unlink()
+                    self._slots = None
+            self._process = None
+
+
+def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segment: str,
+                 capacity: int, stop, parent_pid: int) -> None:
+    """The child's main: subscribe `cameras` and write each message into its slot of
+    `segment` until `stop` (a multiprocessing Event) is set or the parent `parent_pid` is
+    gone. SIGINT is ignored (a Ctrl-C reaches the whole process group; the parent stops the
+    child); SIGTERM ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+    from rclpy.signals import SignalHandlerOptions
+    from sensor_msgs.msg import CompressedImage, Image
+
+    from molmobot_policy.ros.messages import stamp_seconds
+
+    slots = FrameSlots.attach(segment, len(cameras), capacity)
+    context = rclpy.Context()
+    rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
+    try:
+        node = rclpy.create_node(node_name, namespace=namespace or None, context=context)
+        clock = node.get_clock()
+        if camera_qos == 'sensor_data':
+            qos = qos_profile_sensor_data
+        else:
+            qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             history=HistoryPolicy.KEEP_LAST)
+        too_large = set()
+
+        def on_image(k: int, topic: str, compressed: bool, msg) -> None:
+            received = clock.now().nanoseconds * 1e-9
+            stamp = stamp_seconds(msg.header.stamp)
+            if compressed:
+                fits = slots.write(k, msg.data, stamp, received, encoding=msg.format,
+                                   compressed=True)
+            else:
+                fits = slots.write(k, msg.data, stamp, received, height=msg.height,
+                                   width=msg.width, step=msg.step, encoding=msg.encoding)
+            if not fits and topic not in too_large:
+                too_large.add(topic)
+                node.get_logger().error(f'camera {topic}: a {len(msg.data)}-byte frame does '
+                                        f'not fit the {capacity}-byte shared-memory slot')
+
+        for k, (topic, compressed) in enumerate(cameras):
+            node.create_subscription(
+                CompressedImage if compressed else Image, topic,
+                lambda msg, k=k, topic=topic, compressed=compressed:
+                    on_image(k, topic, compressed, msg), qos)
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        node.get_logger().info(f'receiving {len(cameras)} cameras into shared memory '
+                               f'{segment}')
+        while not stop.is_set() and os.getppid() == parent_pid and context.ok():
+            executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+        slots.close()

@@ -1,0 +1,165 @@
+"""camera_receiver: subprocess: a child process (node <name>_camera_receiver) receives the
+cameras and passes the newest frames through shared memory; the node in this process (its
+own rclpy context, a stand-in engine, a peer publishing two cameras and the joint state)
+publishes chunks of those frames, names a dead receiver in its skip reason and keeps
+running, and leaves no shared-memory segment behind."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+rclpy = pytest.importorskip('rclpy')
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+
+from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
+from molmobot_policy.ros.node import PolicyNode  # noqa: E402
+from molmobot_policy.ros.parameters import PARAMETERS, ParameterError  # noqa: E402
+
+from _robot_inputs import StandInEngine, publish_robot_inputs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+JOINTS = [f'joint_{k}' for k in range(7)]
+CAMERAS = ['/camproc_cam0', '/camproc_cam1']
+JOINT_STATES = '/camproc_joint_states'
+
+
+class _Graph:
+    """A PolicyNode (camera_receiver: subprocess) and a peer spinning in one executor thread;
+    the peer records ~/chunk_info and /diagnostics."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.closed = name, False
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.policy = PolicyNode(engine_factory=StandInEngine, node_name=name,
+                                 context=self.context,
+                                 parameter_overrides=[Parameter(k, value=v) for k, v in dict(
+                                     autostart=False, camera_topics=CAMERAS, joint_names=JOINTS,
+                                     action_joint_names=JOINTS, instruction='pick',
+                                     allow_random_weights=True, joint_state_topic=JOINT_STATES,
+                                     chunk_period=0.2, control_period=0.05,
+                                     diagnostics_period=0.2, gc_freeze=False,
+                                     camera_receiver='subprocess').items()])
+        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
+        self.lock = threading.Lock()
+        self.infos, self.messages = [], []
+        self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
+        self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
+        publish_robot_inputs(self.peer, CAMERAS, JOINT_STATES, JOINTS, period=0.05,
+                             height=4, width=4)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.policy)
+        self.executor.add_node(self.peer)
+        assert self.policy.autostart()
+        self.receiver = self.policy._receiver
+        self.segment = f'/dev/shm/{self.receiver.segment}'
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _on_info(self, msg):
+        with self.lock:
+            self.infos.append({kv.key: kv.value for kv in msg.values})
+
+    def _on_diagnostics(self, msg):
+        with self.lock:
+            self.messages.extend(s.message for s in msg.status
+                                 if s.name.startswith(f'{self.name}: '))
+
+    def wait_for(self, predicate, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate():
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.executor.shutdown(timeout_sec=2.0)
+        self.policy.destroy_node()
+        self.peer.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+        self.thread.join(timeout=5.0)
+
+
+@pytest.fixture
+def graph():
+    graphs = []
+
+    def make(name):
+        graphs.append(_Graph(name))
+        return graphs[-1]
+    yield make
+    for g in graphs:
+        g.close()
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir('/dev/shm') if n.startswith('molmobot_frames_')}
+
+
+def test_chunks_come_from_frames_the_receiver_process_passes_on(graph):
+    g = graph('camproc_chunks')
+    assert g.wait_for(lambda: len(g.infos) >= 3)
+    # every chunk decoded one fresh frame per camera, taken out of the shared memory
+    assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
+    subscribers = {i.node_name for t in CAMERAS
+                   for i in g.peer.get_subscriptions_info_by_topic(t)}
+    assert subscribers == {'camproc_chunks_camera_receiver'}    # not the policy node
+
+
+def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph):
+    g = graph('camproc_dies')
+    assert g.wait_for(lambda: len(g.infos) >= 1)
+    os.kill(g.receiver.pid, signal.SIGKILL)
+    reason = 'camera receiver process exited with code -9'
+    assert g.wait_for(lambda: any(reason in m for m in g.messages))
+    with g.lock:
+        seen = len(g.messages)
+    assert g.wait_for(lambda: len(g.messages) > seen)      # /diagnostics still comes
+    assert g.policy.loop._thread.is_alive()
+
+
+def test_deactivate_and_destroy_stop_the_receiver_and_remove_its_shared_memory(graph):
+    g = graph('camproc_cleanup')
+    receiver, segment = g.receiver, g.segment
+    process = receiver._process
+    assert os.path.exists(segment)
+    assert g.wait_for(lambda: len(g.infos) >= 1)
+    g.policy.trigger_deactivate()
+    assert process.exitcode is not None
+    assert not os.path.exists(segment)
+    g.policy.trigger_activate()             # a new receiver, a new segment
+    receiver = g.policy._receiver
+    segment, process = f'/dev/shm/{receiver.segment}', receiver._process
+    assert os.path.exists(segment)
+    count = len(g.infos)
+    assert g.wait_for(lambda: len(g.infos) > count)
+    g.close()                               # destroy_node while active
+    assert process.exitcode is not None
+    assert not os.path.exists(segment)
+    assert not any(s.endswith(str(os.getpid())) for s in _segments())
+
+
+def test_subprocess_with_use_sim_time_is_refused_naming_both_parameters():
+    from molmobot_policy.ros.parameters import check_parameter_values
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    values.update(camera_receiver='subprocess', use_sim_time=True)
+    with pytest.raises(ParameterError, match='use_sim_time') as info:
+        check_parameter_values(values.get)
+    assert info.value.name == 'camera_receiver'
+    values.update(use_sim_time=False)
+    check_parameter_values(values.get)
+    values.update(camera_receiver='thread')
+    with pytest.raises(ParameterError, match="not one of \\['in_process', 'subprocess'\\]"):
+        check_parameter_values(values.get)
