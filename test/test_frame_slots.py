@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -105,9 +106,27 @@ def test_a_slot_being_written_is_not_read(slots):
     buffer = slots._buffer
     seq = int.from_bytes(buffer[0:8], 'little')
     buffer[0:8] = (seq + 1).to_bytes(8, 'little')     # a writer in the middle of a write
-    assert slots.read(0, tries=5) is None
+    assert slots.read(0, wait=0.001) is None
     buffer[0:8] = (seq + 2).to_bytes(8, 'little')     # ... done
     assert slots.read(0).message.data == b'\x01' * 3
+
+
+def test_a_read_waits_for_a_write_in_progress_instead_of_missing_the_frame(slots):
+    """A poll that lands in a write (a 921 KB copy takes ~0.1-0.3 ms) gets the frame once
+    the write ends: giving up at once left one camera a tick behind in ~5 % of 8-camera
+    observations on the H200."""
+    slots.write(0, b'\x01' * 3, 1.0, 1.0, height=1, width=1, step=3, encoding='rgb8')
+    buffer = slots._buffer
+    seq = int.from_bytes(buffer[0:8], 'little')
+    buffer[0:8] = (seq + 1).to_bytes(8, 'little')     # a writer in the middle of a write
+    finish = threading.Timer(0.002, lambda: buffer.__setitem__(
+        slice(0, 8), (seq + 2).to_bytes(8, 'little')))
+    finish.start()
+    try:
+        frame = slots.read(0, since=0, wait=1.0)
+    finally:
+        finish.join()
+    assert frame is not None and frame.message.data == b'\x01' * 3
 
 
 def _write_frames(name: str, frames: int, ready) -> None:
