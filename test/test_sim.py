@@ -342,3 +342,17 @@ def test_node_survives_a_malformed_trajectory(sim_robot):
     assert probe.spin_until(lambda: len(probe.joint_states) >= 10, 10.0)
     assert process.poll() is None, 'sim_robot exited after a malformed trajectory'
     assert 'ignoring malformed trajectory' in log_path.read_text()
+
+
+def test_sim_robot_without_the_simulator_says_which_requirements_file_brings_it():
+    """A robot's install (requirements/runtime.txt) has no mujoco: `sim_robot` says what to
+    install instead of a traceback."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['mujoco'] = None; "
+            "import molmobot_policy.sim.robot_node")
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert 'needs mujoco' in done.stderr and 'requirements/demo.txt' in done.stderr
+    assert 'Traceback' not in done.stderr

@@ -34,7 +34,11 @@ from trajectory_msgs.msg import JointTrajectory
 from molmobot_policy.ros import codec
 from molmobot_policy.ros.parameters import descriptor
 from molmobot_policy.sim import trajectory
-from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
+try:
+    from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
+except ModuleNotFoundError as missing:     # a robot's install: requirements/runtime.txt only
+    raise SystemExit(f'sim_robot: the simulated robot needs {missing.name}, which a robot '
+                     'install leaves out: pip install -r requirements/demo.txt') from None
 
 NODE_NAME = 'sim_robot'
 DEFAULT_CAMERA_TOPICS = [f'/cam{k}/image_raw' for k in range(NUM_CAMERAS)]
