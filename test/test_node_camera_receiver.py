@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -21,7 +20,8 @@ from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
 from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 from molmobot_policy.ros.parameters import PARAMETERS, ParameterError  # noqa: E402
 
-from _robot_inputs import StandInEngine, publish_robot_inputs  # noqa: E402
+from _robot_inputs import (InProcessGraph, StandInEngine, graphs,  # noqa: E402
+                           publish_robot_inputs)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,9 +30,9 @@ CAMERAS = ['/camproc_cam0', '/camproc_cam1']
 JOINT_STATES = '/camproc_joint_states'
 
 
-class _Graph:
+class _Graph(InProcessGraph):
     """A PolicyNode (camera_receiver: subprocess) and a peer spinning in one executor thread;
-    the peer records ~/chunk_info and /diagnostics."""
+    the peer records ~/chunk_info and the node's /diagnostics messages."""
 
     def __init__(self, name: str) -> None:
         self.name, self.closed = name, False
@@ -72,36 +72,18 @@ class _Graph:
             self.messages.extend(s.message for s in msg.status
                                  if s.name.startswith(f'{self.name}: '))
 
-    def wait_for(self, predicate, timeout: float = 60.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate():
-                    return True
-            time.sleep(0.02)
-        return False
+    def wait_for(self, predicate, timeout: float = 60.0) -> bool:    # a child process starts
+        return super().wait_for(predicate, timeout)
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.executor.shutdown(timeout_sec=2.0)
-        self.policy.destroy_node()
-        self.peer.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-        self.thread.join(timeout=5.0)
+    def close(self) -> None:        # also called by a test; the fixture closes it again
+        if not self.closed:
+            self.closed = True
+            super().close()
 
 
 @pytest.fixture
 def graph():
-    graphs = []
-
-    def make(name):
-        graphs.append(_Graph(name))
-        return graphs[-1]
-    yield make
-    for g in graphs:
-        g.close()
+    yield from graphs(_Graph)
 
 
 def _segments() -> set[str]:
