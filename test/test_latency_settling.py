@@ -55,3 +55,19 @@ def test_restart_settles_again_on_every_activation():
 def test_bad_settling_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LatencyEstimator(**kwargs)
+
+
+def test_before_enough_samples_a_loop_slower_than_the_warm_up_raises_the_lead_at_once():
+    """The warm-up measured 60 ms, the loop takes 200 ms (frames to decode, a busy machine):
+    the first warm sample after settling sets the lead; it does not wait for min_samples
+    (every tick until then would be late). A faster sample never lowers it below initial."""
+    est = LatencyEstimator(min_samples=5, initial=0.068, settle=2, margin=1.2)
+    est.restart()
+    est.record(0.2)
+    est.record(0.2)                           # settling: ignored
+    assert est.lead() == pytest.approx(0.068)
+    est.record(0.2)
+    assert est.lead() == pytest.approx(0.24)
+    fast = LatencyEstimator(min_samples=5, initial=0.068, margin=1.2)
+    fast.record(0.01)
+    assert fast.lead() == pytest.approx(0.068)

@@ -14,8 +14,9 @@ inferences after a pause run on cold caches and clocks), and outliers: a sample 
 slow call would otherwise hold the lead at its cap for the whole window (a lead above
 need drops actions from the front of every chunk). A run of `min_samples` consecutive
 outliers is a new regime, not an outlier: the window restarts from those samples. Until
-`min_samples` warm samples have been seen, the configured `initial` lead is returned: set
-it from the engine's measured warm-up inference time, not a guess.
+`min_samples` warm samples have been seen, the lead is the configured `initial` (set it from
+the engine's measured warm-up inference time, not a guess) or, where longer, the slowest warm
+sample so far times the margin.
 The quantile is numpy's default (linear interpolation between order statistics,
 Hyndman & Fan type 7). Plain python + numpy; thread-safe (one lock).
 """
@@ -160,9 +161,16 @@ class LatencyEstimator:
     def lead(self) -> float:
         """Seconds to start inference before the deadline: estimate() * margin.
 
-        Returns `initial` until `min_samples` warm samples have been recorded; the result
-        is capped at `max_lead` when set.
+        Until `min_samples` warm samples have been recorded: `initial`, or the slowest warm
+        sample so far times the margin where that is longer (a loop slower than the warm-up
+        measured, e.g. with frames to decode or a busier machine, is late at most until its
+        first warm sample, not for `min_samples` ticks). Capped at `max_lead` when set.
         """
         q = self.estimate()
-        lead = self.initial if math.isnan(q) else q * self.margin
+        if math.isnan(q):
+            with self._lock:
+                slowest = max(self._samples, default=0.0)
+            lead = max(self.initial, slowest * self.margin)
+        else:
+            lead = q * self.margin
         return lead if self.max_lead is None else min(lead, self.max_lead)
