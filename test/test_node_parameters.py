@@ -151,6 +151,19 @@ def test_node_main_refuses_an_unusable_domain_id_before_dds_starts(monkeypatch, 
     assert 'ROS_DOMAIN_ID' in err and "'300'" in err
 
 
+def test_help_prints_the_usage_and_starts_no_node(monkeypatch, capsys):
+    """`policy_node --help` (a fresh-user trial: it started the node, which failed on the
+    empty checkpoint_path): the usage, exit 0, no DDS."""
+    from molmobot_policy.ros import main as main_module
+
+    monkeypatch.setattr(main_module.rclpy, 'init', lambda **_: pytest.fail('DDS was started'))
+    assert main_module.main(['policy_node', '--help']) == 0
+    out = capsys.readouterr().out
+    assert out.startswith('usage: policy_node') and 'docs/PARAMETERS.md' in out
+    assert main_module.wants_help(['policy_node', '-h'])
+    assert not main_module.wants_help(['policy_node', '--ros-args', '-h'])    # ROS's -h
+
+
 def test_out_of_range_value_names_the_allowed_range(ros_context):
     error = _refused(ros_context, 'chunk_period', -1.0, 'param_range')
     assert 'out of range' in error.expected and '0.01 to 60.0' in error.expected

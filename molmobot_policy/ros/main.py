@@ -205,9 +205,30 @@ def ros_domain_id_problem(environ) -> str | None:
     return None
 
 
+USAGE = """usage: policy_node [--help] [--ros-args --params-file FILE | -p NAME:=VALUE ...]
+
+The MolmoBot policy node (a ROS 2 lifecycle node, name molmobot_policy): camera topics and
+/joint_states in, trajectory_msgs/JointTrajectory on ~/joint_trajectory out.
+  policy_node --ros-args --params-file config/policy_droid.yaml     (a GPU, a checkpoint)
+  policy_node --ros-args --params-file config/policy_tiny.yaml      (random weights, CPU)
+Every parameter, its type, default and range: docs/PARAMETERS.md; a robot: docs/ROBOT.md.
+Exit status: 0 after a clean stop, 1 when the node cannot start, 130 after a second Ctrl-C."""
+
+
+def wants_help(argv) -> bool:
+    """-h / --help before any --ros-args (after it, arguments are ROS's)."""
+    own = list(argv[1:])
+    if '--ros-args' in own:
+        own = own[:own.index('--ros-args')]
+    return '-h' in own or '--help' in own
+
+
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status (see the
-    module docstring)."""
+    module docstring); prints USAGE for -h / --help."""
+    if wants_help(sys.argv if args is None else args):
+        print(USAGE)
+        return EXIT_OK
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     parent = os.getppid()
     problem = ros_domain_id_problem(os.environ)
