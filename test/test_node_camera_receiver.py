@@ -49,7 +49,7 @@ class _Graph(InProcessGraph):
                                      camera_receiver='subprocess').items()])
         self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
         self.lock = threading.Lock()
-        self.infos, self.messages = [], []
+        self.infos, self.messages, self.values = [], [], []
         self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
         self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
         publish_robot_inputs(self.peer, CAMERAS, JOINT_STATES, JOINTS, period=0.05,
@@ -69,8 +69,9 @@ class _Graph(InProcessGraph):
 
     def _on_diagnostics(self, msg):
         with self.lock:
-            self.messages.extend(s.message for s in msg.status
-                                 if s.name.startswith(f'{self.name}: '))
+            mine = [s for s in msg.status if s.name.startswith(f'{self.name}: ')]
+            self.messages.extend(s.message for s in mine)
+            self.values.extend(kv.value for s in mine for kv in s.values)
 
     def wait_for(self, predicate, timeout: float = 60.0) -> bool:    # a child process starts
         return super().wait_for(predicate, timeout)
@@ -98,6 +99,10 @@ def test_chunks_come_from_frames_the_receiver_process_passes_on(graph):
     subscribers = {i.node_name for t in CAMERAS
                    for i in g.peer.get_subscriptions_info_by_topic(t)}
     assert subscribers == {'camproc_chunks_camera_receiver'}    # not the policy node
+    # named for ps / `pgrep -x camera_receiver`, and its pid on /diagnostics
+    with open(f'/proc/{g.receiver.pid}/comm') as comm:
+        assert comm.read().strip() == 'camera_receiver'
+    assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v for v in g.values))
 
 
 def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph):

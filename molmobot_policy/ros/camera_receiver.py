@@ -131,6 +131,17 @@ class CameraReceiver:
             self._process = None
 
 
+def _name_process(name: bytes) -> None:
+    """Set this process's name as ps, top and `pgrep -x` show it (Linux prctl PR_SET_NAME,
+    at most 15 bytes): the 'spawn' child's command line is only `python -c ...spawn_main`,
+    and `pgrep -f camera_receiver` would find the policy node's own command line."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):     # not Linux: the name is cosmetic
+        pass
+
+
 def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segment: str,
                  capacity: int, stop, parent_pid: int) -> None:
     """The child's main: subscribe `cameras` and write each message into its slot of
@@ -138,6 +149,7 @@ def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segme
     gone. SIGINT is ignored (a Ctrl-C reaches the whole process group; the parent stops the
     child); SIGTERM ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _name_process(b'camera_receiver')
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data

@@ -101,6 +101,15 @@ class PolicyNode(LifecycleNode):
     def _param(self, name: str):
         return self.get_parameter(name).value
 
+    def _mode(self) -> dict:
+        """What serves, for the 'inference' status: the engine's mode and where the cameras
+        are received (the receiver child's pid, for ps / kill)."""
+        mode = dict(self.engine.mode) if self.engine is not None else {}
+        receiver = self._receiver
+        mode['camera_receiver'] = ('in_process' if receiver is None else
+                                   f'subprocess (pid {receiver.pid}, node {receiver.node_name})')
+        return mode
+
     def _validate_parameters(self, parameters) -> SetParametersResult:
         for p in parameters:
             # a new instruction the configured engine cannot serve (too long for its buckets
@@ -251,7 +260,7 @@ class PolicyNode(LifecycleNode):
         self.gc_pauses = GcPauses(STATS_WINDOW).install()
         self._diagnostics = policy_updater(
             self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
-            mode=lambda: dict(self.engine.mode) if self.engine is not None else {},
+            mode=self._mode,
             served=self.served, sim_time=sim_time,
             refresh=self._poll_receiver if self._receiver is not None else None)
         if self._receiver is not None:
