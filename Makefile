@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.
 	touch $@
 
 demo: setup
-	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy.demo --duration $(DURATION)
+	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy_demo.demo --duration $(DURATION)
 
 # Two pytest calls: the unit and node tests, then (scripts/test_ros_install.sh) a colcon install
 # of the package with the tests that need it, where launch_testing's pytest plugins load.
