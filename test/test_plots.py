@@ -162,7 +162,8 @@ def test_policy_settings_reads_the_section_ros_applies_to_the_node(tmp_path):
 def test_the_robot_runtime_neither_imports_nor_installs_matplotlib():
     """matplotlib is the demo's (requirements/demo.txt): the node runs without it."""
     code = ('import sys, molmobot_policy.ros.main, molmobot_policy.ros.node, '
-            'molmobot_policy.runtime.engine, molmobot_policy_demo.demo, molmobot_policy_demo.sim.plots; '
+            'molmobot_policy.runtime.engine, molmobot_policy_demo.demo, '
+            'molmobot_policy_demo.sim.plots; '
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
     done = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
