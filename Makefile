@@ -16,12 +16,12 @@ export PYOPENGL_PLATFORM ?= egl
 
 setup: $(VENV)/.installed
 
+# Both packages of the repository, editable: the policy node (.) and the demo (demo/).
 $(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.txt requirements/test.txt setup.py demo/setup.py scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	# both packages of the repository, editable: the policy node (.) and the demo (demo/)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . -e demo
 	touch $@
 
