@@ -16,22 +16,24 @@ export PYOPENGL_PLATFORM ?= egl
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.txt requirements/test.txt setup.py scripts/install_system_deps.sh
+# Both packages of the repository, editable: the policy node (.) and the demo (demo/).
+$(VENV)/.installed: requirements.txt requirements/runtime.txt requirements/demo.txt requirements/test.txt setup.py demo/setup.py scripts/install_system_deps.sh
 	bash scripts/install_system_deps.sh
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e . -e demo
 	touch $@
 
 demo: setup
-	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy.demo --duration $(DURATION)
+	ROS_DOMAIN_ID=$${ROS_DOMAIN_ID:-42} $(PY) -m molmobot_policy_demo.demo --duration $(DURATION)
 
 # Two pytest calls: the unit and node tests, then (scripts/test_ros_install.sh) a colcon install
-# of the package with the tests that need it, where launch_testing's pytest plugins load.
+# of both packages (. and demo/) with the tests that need it, where launch_testing's pytest
+# plugins load.
 test: setup
 	$(PY) -m pytest -q -rs test --ignore=test/installed
 	bash scripts/test_ros_install.sh $(VENV)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info demo/build demo/*.egg-info

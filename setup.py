@@ -1,4 +1,5 @@
-"""Installs molmobot_policy with colcon (ament_python) on a ROS 2 install, or with pip."""
+"""Installs molmobot_policy with colcon (ament_python) on a ROS 2 install, or with pip. The demo
+(simulated robot, demo runner) is the package in demo/: docs/decisions/one-ros-package.md."""
 from glob import glob
 
 from setuptools import find_packages, setup
@@ -8,7 +9,7 @@ package_name = 'molmobot_policy'
 setup(
     name=package_name,
     version='0.1.0',
-    packages=find_packages(exclude=['test', 'test.*', 'benchmarks']),
+    packages=find_packages(include=[package_name, package_name + '.*']),
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
         ('share/' + package_name, ['package.xml']),
@@ -24,8 +25,6 @@ setup(
     entry_points={
         'console_scripts': [
             'policy_node = molmobot_policy.ros.main:main',
-            'sim_robot = molmobot_policy.sim.robot_node:main',
-            'demo = molmobot_policy.demo:main',
         ],
     },
 )

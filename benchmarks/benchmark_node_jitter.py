@@ -45,7 +45,7 @@ reported, not enforced).
 
 Beside the JSON (`<out stem>_latency_timeline.png`, `<out stem>_jitter_histogram.png`, paths
 printed at the end): inference, observation age and publish jitter of every measured chunk
-over time, and the jitter's histogram with the targets (molmobot_policy.sim.plots; needs
+over time, and the jitter's histogram with the targets (molmobot_policy_demo.sim.plots; needs
 matplotlib, requirements/demo.txt: without it the run says so and writes only the JSON).
 
 Full size on the GPU machine (see benchmarks/h200_node_jitter.sh):
@@ -708,7 +708,7 @@ def write_plots(out: Path, chunks: list[dict], c: dict) -> list[Path]:
     """The latency timeline and jitter histogram of the measured chunks (their ~/chunk_info
     values) beside `out`; [] (said why) without matplotlib."""
     try:
-        from molmobot_policy.sim import plots
+        from molmobot_policy_demo.sim import plots
         import matplotlib  # noqa: F401
     except ImportError as error:
         print(f'no plots ({error}): pip install matplotlib (requirements/demo.txt)')

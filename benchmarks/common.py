@@ -1,8 +1,8 @@
 """What the benchmarks share: the timed query, timing, statistics, provenance and reporting.
 
 Not part of the package: the benchmarks import it as `common` (their folder is first on
-sys.path when run as `python benchmarks/<name>.py`); importing it puts the repository root
-on sys.path, so `molmobot_policy` comes from this checkout.
+sys.path when run as `python benchmarks/<name>.py`); importing it puts the repository root and
+demo/ on sys.path, so `molmobot_policy` and `molmobot_policy_demo` come from this checkout.
 
 - `full_size_observation`, `make_engine`, `device_inputs`: the query the GPU benchmarks time
   (random uint8 480x640 frames, a random state, one instruction) and the engine around it.
@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _folder in (REPO / 'demo', REPO):     # the two packages' source folders, REPO first
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 INSTRUCTION = 'pick up the red cube and put it in the bowl'
 CLK_TCK = os.sysconf('SC_CLK_TCK')

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# make test, second part: the package installed as a ROS 2 workspace installs it, and the
-# tests that need that install (test/installed/), in a pytest call of their own.
+# make test, second part: both packages (molmobot_policy at the root, molmobot_policy_demo in
+# demo/) installed as a ROS 2 workspace installs them, and the tests that need that install
+# (test/installed/), in a pytest call of their own.
 #
 #   bash scripts/test_ros_install.sh [VENV]        (VENV: .venv; make test runs it)
 #
-# 1. colcon build of this source tree into a temporary prefix (removed afterwards). A plain
-#    install, not --symlink-install: the launch and config files `ros2 launch` reads are then
-#    the copies setup.py's data_files install, so a file missing there fails the tests; and
-#    merged, one prefix for every package found (the repository root is one today; colcon's
-#    crawl does not descend into a package, so it never sees .venv).
+# 1. colcon build of this source tree into a temporary prefix (removed afterwards), both
+#    folders named as base paths: colcon's crawl stops at the root's package.xml, so a plain
+#    `colcon build` finds the policy package alone (a robot's build) and never sees demo/ or
+#    .venv (docs/decisions/one-ros-package.md). A plain install, not --symlink-install: the
+#    launch and config files `ros2 launch` reads are then the copies setup.py's data_files
+#    install, so a file missing there fails the tests; and merged, one prefix for both.
 # 2. The ROS 2 launch stack: the environment's where it imports (a full ROS 2 install), else
 #    the wheels of ../shared/wheels (LAUNCH_WHEELS) in an overlay prefix, VENV/launch-overlay
 #    (installed again when their SHA256SUMS change), else none: the launch tests skip, saying
@@ -25,11 +27,11 @@ WHEELS=${LAUNCH_WHEELS:-../shared/wheels}
 work=$(mktemp -d "${TMPDIR:-/tmp}/molmobot_policy_install.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-echo "== colcon build: $(pwd) into the temporary prefix $work/install"
-if ! "$VENV/bin/colcon" --log-base "$work/log" build --base-paths . \
+echo "== colcon build: $(pwd) and $(pwd)/demo into the temporary prefix $work/install"
+if ! "$VENV/bin/colcon" --log-base "$work/log" build --base-paths . demo \
     --build-base "$work/build" --install-base "$work/install" --merge-install \
     --event-handlers console_direct-; then
-  cat "$work"/log/latest_build/molmobot_policy/stdout_stderr.log >&2 || true
+  cat "$work"/log/latest_build/molmobot_policy*/stdout_stderr.log >&2 || true
   exit 1
 fi
 

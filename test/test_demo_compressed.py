@@ -1,4 +1,4 @@
-"""`make demo` with compressed cameras (`python -m molmobot_policy.demo --compressed`): the
+"""`make demo` with compressed cameras (`python -m molmobot_policy_demo.demo --compressed`): the
 simulated Jaco publishes sensor_msgs/CompressedImage (jpeg) on `<camera topic>/compressed`,
 the policy node subscribes there (camera_transports) and chunks arrive. The demo stops once
 `--chunks` chunks came (event-driven; --duration is only the limit), then names the PNGs it
@@ -22,7 +22,7 @@ CHUNKS = 2
 @pytest.mark.timeout(400)
 def test_the_demo_runs_end_to_end_on_compressed_cameras(tmp_path):
     env = dict(os.environ, MUJOCO_GL=os.environ.get('MUJOCO_GL', 'egl'), PYTHONUNBUFFERED='1')
-    done = subprocess.run([sys.executable, '-m', 'molmobot_policy.demo', '--compressed',
+    done = subprocess.run([sys.executable, '-m', 'molmobot_policy_demo.demo', '--compressed',
                            '--chunks', str(CHUNKS), '--duration', '300', '--verbose',
                            '--plots-dir', str(tmp_path / 'pictures')],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=380)

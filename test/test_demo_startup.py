@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from molmobot_policy.demo import ros_log_file, startup_failure, startup_phase
+from molmobot_policy_demo.demo import ros_log_file, startup_failure, startup_phase
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_a_startup_timeout_ends_the_demo_with_one_line_saying_why(tmp_path):
     pytest.importorskip('dm_control')
     env = dict(os.environ, MUJOCO_GL=os.environ.get('MUJOCO_GL', 'egl'), PYTHONUNBUFFERED='1',
                ROS_LOG_DIR=str(tmp_path / 'log'))
-    done = subprocess.run([sys.executable, '-m', 'molmobot_policy.demo', '--startup-timeout',
+    done = subprocess.run([sys.executable, '-m', 'molmobot_policy_demo.demo', '--startup-timeout',
                            '0.5', '--no-plots'], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=100)
     out = done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""The pictures of the demo and the node benchmark (`molmobot_policy.sim.plots`), and the
+"""The pictures of the demo and the node benchmark (`molmobot_policy_demo.sim.plots`), and the
 demo's path from received messages to PNGs named in its summary (`demo.Monitor`), on small
 synthetic data: each PNG exists, decodes, has its declared size and shows what it is for."""
 import subprocess
@@ -11,9 +11,9 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy')
 
-from molmobot_policy import demo  # noqa: E402
+from molmobot_policy_demo import demo  # noqa: E402
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
-from molmobot_policy.sim import plots  # noqa: E402
+from molmobot_policy_demo.sim import plots  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
@@ -162,7 +162,8 @@ def test_policy_settings_reads_the_section_ros_applies_to_the_node(tmp_path):
 def test_the_robot_runtime_neither_imports_nor_installs_matplotlib():
     """matplotlib is the demo's (requirements/demo.txt): the node runs without it."""
     code = ('import sys, molmobot_policy.ros.main, molmobot_policy.ros.node, '
-            'molmobot_policy.runtime.engine, molmobot_policy.demo, molmobot_policy.sim.plots; '
+            'molmobot_policy.runtime.engine, molmobot_policy_demo.demo, '
+            'molmobot_policy_demo.sim.plots; '
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
     done = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

@@ -12,8 +12,8 @@ import pytest
 
 os.environ.setdefault('MUJOCO_GL', 'egl')
 
-from molmobot_policy.sim import trajectory  # noqa: E402
-from molmobot_policy.sim.scene import (CAMERA_NAMES, CONTINUOUS_JOINT_RANGE,  # noqa: E402
+from molmobot_policy_demo.sim import trajectory  # noqa: E402
+from molmobot_policy_demo.sim.scene import (CAMERA_NAMES, CONTINUOUS_JOINT_RANGE,  # noqa: E402
                                        HOME_POSITIONS, JOINT_NAMES, JacoScene)
 
 WIDTH, HEIGHT = 64, 48
@@ -271,7 +271,7 @@ def sim_robot(tmp_path_factory):
     log_path = tmp_path_factory.mktemp('sim_robot') / 'sim_robot.log'
     with open(log_path, 'w') as log:
         process = subprocess.Popen(
-            [sys.executable, '-m', 'molmobot_policy.sim.robot_node', '--ros-args',
+            [sys.executable, '-m', 'molmobot_policy_demo.sim.robot_node', '--ros-args',
              '-p', f'width:={WIDTH}', '-p', f'height:={HEIGHT}', '-p', 'camera_rate:=5.0'],
             env=env, stdout=log, stderr=subprocess.STDOUT)
     probe = _Probe()
@@ -350,7 +350,7 @@ def test_sim_robot_without_the_simulator_says_which_requirements_file_brings_it(
     import subprocess
     import sys
     code = ("import sys; sys.modules['mujoco'] = None; "
-            "import molmobot_policy.sim.robot_node")
+            "import molmobot_policy_demo.sim.robot_node")
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0

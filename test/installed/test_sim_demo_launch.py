@@ -1,19 +1,19 @@
-"""launch_testing test of the installed launch/sim_demo.launch.py (and so policy.launch.py):
-the simulated robot and the policy node under `namespace:=launch_test` with `autostart:=false`
-and an `instruction` argument. Checks that the launch arguments reach the node's parameters,
+"""launch_testing test of molmobot_policy_demo's installed launch/sim_demo.launch.py (and so
+molmobot_policy's policy.launch.py): the simulated robot and the policy node under
+`namespace:=launch_test` with `autostart:=false` and an `instruction` argument. Checks that the launch arguments reach the node's parameters,
 that lifecycle transitions (configure, activate) through the node's services start the
 chunks, that a chunk carries the configured joint names, that /diagnostics is published, and
 that every process exits with status 0 when the launch shuts down.
 
 Skipped, saying why, where the launch stack is not importable or no ament prefix holds the
-package (`make test` provides both: scripts/test_ros_install.sh).
+packages (`make test` provides both: scripts/test_ros_install.sh).
 """
 import threading
 import unittest
 
 import pytest
 
-from _installed import NO_LAUNCH, PACKAGE, installed_prefix
+from _installed import DEMO_PACKAGE, NO_LAUNCH, PACKAGE, installed_prefix
 
 try:
     import launch
@@ -34,6 +34,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor  #
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
 SHARE = installed_prefix() / 'share' / PACKAGE
+DEMO_SHARE = installed_prefix(DEMO_PACKAGE) / 'share' / DEMO_PACKAGE
 NODE = '/launch_test/molmobot_policy'
 # with ': ' a YAML mapping: the launch file must hand it over as the string it is
 INSTRUCTION = 'stack: the red brick on the blue brick'
@@ -45,7 +46,7 @@ TIMEOUT = 90.0      # s: the node imports torch and builds the tiny model; the s
 @pytest.mark.launch_test
 def generate_test_description():
     sim_demo = IncludeLaunchDescription(
-        PythonLaunchDescriptionSource(str(SHARE / 'launch' / 'sim_demo.launch.py')),
+        PythonLaunchDescriptionSource(str(DEMO_SHARE / 'launch' / 'sim_demo.launch.py')),
         launch_arguments={'namespace': 'launch_test', 'autostart': 'false',
                           'instruction': INSTRUCTION}.items())
     return launch.LaunchDescription([sim_demo, launch_testing.actions.ReadyToTest()])

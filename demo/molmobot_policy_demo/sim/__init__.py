@@ -1,4 +1,4 @@
-"""sim layer of molmobot_policy (see docs/ARCHITECTURE.md): the demo world.
+"""sim layer of molmobot_policy_demo (see docs/ARCHITECTURE.md): the demo world.
 
 - `sim.scene`: `JacoScene`, the Kinova Jaco arm on a table with cubes and 8 cameras
   (MuJoCo + dm_control, headless rendering, no rclpy).

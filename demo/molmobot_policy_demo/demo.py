@@ -1,6 +1,6 @@
 """`make demo`: the simulated Jaco robot and the policy node, end to end over ROS 2.
 
-Starts two subprocesses, `molmobot_policy.sim.robot_node` (config/sim.yaml) and
+Starts two subprocesses, `molmobot_policy_demo.sim.robot_node` (demo/config/sim.yaml) and
 `molmobot_policy.ros.node` (config/policy_tiny.yaml), on this machine only
 (ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, ROS_DOMAIN_ID from the environment, MUJOCO_GL=egl,
 FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_images.xml unless set),
@@ -17,8 +17,8 @@ directory), naming each path at the end:
   robot's /joint_states;
 - camera_frames.png: the last frame of each camera, with the instruction.
 
-    python -m molmobot_policy.demo --duration 30 --startup-timeout 300
-    python -m molmobot_policy.demo --compressed --chunks 3   # jpeg cameras; stop after 3 chunks
+    python -m molmobot_policy_demo.demo --duration 30 --startup-timeout 300
+    python -m molmobot_policy_demo.demo --compressed --chunks 3  # jpeg cameras; stop after 3
 
 With `--compressed` the simulator publishes sensor_msgs/CompressedImage (jpeg) on
 `<camera topic>/compressed` and the node subscribes there (`camera_transports`).
@@ -43,7 +43,10 @@ import yaml
 
 from molmobot_policy.ros.messages import ChunkInfo, stamp_seconds
 
-REPO = Path(__file__).resolve().parents[1]
+# The source tree: demo/ holds this package (molmobot_policy_demo), the repository root the
+# policy package (molmobot_policy); each has its config/ folder.
+SOURCE = {'molmobot_policy_demo': Path(__file__).resolve().parents[1],
+          'molmobot_policy': Path(__file__).resolve().parents[2]}
 STOP_TIMEOUT_S = 10.0
 WAIT_REPORT_S = 30.0     # how often the demo says what it still waits for before the first chunk
 NODE_FQN = '/molmobot_policy'
@@ -57,13 +60,14 @@ PLOTS = {   # file name: what it shows
 DDS_PROFILE = 'fastdds_large_images.xml'
 
 
-def _config(name: str) -> Path:
-    """config/<name> of the source tree, else of an installed (colcon) share directory."""
-    path = REPO / 'config' / name
+def _config(name: str, package: str = 'molmobot_policy') -> Path:
+    """config/<name> of `package` in the source tree, else in its installed (colcon) share
+    directory."""
+    path = SOURCE[package] / 'config' / name
     if path.exists():
         return path
     from ament_index_python.packages import get_package_share_directory
-    return Path(get_package_share_directory('molmobot_policy')) / 'config' / name
+    return Path(get_package_share_directory(package)) / 'config' / name
 
 
 def _start(module: str, params_file: Path, env: dict, verbose: bool,
@@ -266,7 +270,7 @@ class Monitor:
     def write_plots(self, folder: Path, settings: dict) -> list[Path]:
         """The `PLOTS` PNGs in `folder` (created) from what was received; returns their
         paths. Raises ImportError without matplotlib (requirements/demo.txt)."""
-        from molmobot_policy.sim import plots
+        from molmobot_policy_demo.sim import plots
         served = (f"checkpoint {settings['checkpoint_path']}" if settings['checkpoint_path']
                   else f"random weights, preset {settings['model']}")
         what = (f"make demo: {served} on {settings['device']} ({settings['dtype']}), "
@@ -363,7 +367,7 @@ def main(argv=None) -> int:
     parser.add_argument('--policy-params', type=Path, default=None,
                         help='policy node parameter file (default config/policy_tiny.yaml)')
     parser.add_argument('--sim-params', type=Path, default=None,
-                        help='sim robot parameter file (default config/sim.yaml)')
+                        help='sim robot parameter file (default demo/config/sim.yaml)')
     parser.add_argument('--verbose', action='store_true',
                         help="show the two nodes' INFO logs (default: warnings and errors)")
     parser.add_argument('--compressed', action='store_true',
@@ -407,9 +411,9 @@ def main(argv=None) -> int:
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        processes.append(('sim_robot', _start('molmobot_policy.sim.robot_node',
-                                              args.sim_params or _config('sim.yaml'), env,
-                                              args.verbose, sim_parameters)))
+        sim_params = args.sim_params or _config('sim.yaml', 'molmobot_policy_demo')
+        processes.append(('sim_robot', _start('molmobot_policy_demo.sim.robot_node',
+                                              sim_params, env, args.verbose, sim_parameters)))
         processes.append(('policy', _start('molmobot_policy.ros.node', policy_params,
                                            env, args.verbose, policy_parameters)))
         print(f'demo: started sim_robot and the policy node; waiting up to '

@@ -15,7 +15,7 @@ Threads: physics, joint states and the subscription share one single-threaded ex
 rendering (tens of ms per camera on a CPU) runs in its own thread on an absolute-deadline
 schedule so that it never delays joint states.
 
-Run: python -m molmobot_policy.sim.robot_node --ros-args --params-file config/sim.yaml
+Run: python -m molmobot_policy_demo.sim.robot_node --ros-args --params-file demo/config/sim.yaml
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import codec
 from molmobot_policy.ros.parameters import descriptor
-from molmobot_policy.sim import trajectory
+from molmobot_policy_demo.sim import trajectory
 try:
-    from molmobot_policy.sim.scene import NUM_CAMERAS, JacoScene
+    from molmobot_policy_demo.sim.scene import NUM_CAMERAS, JacoScene
 except ModuleNotFoundError as missing:     # a robot's install: requirements/runtime.txt only
     raise SystemExit(f'sim_robot: the simulated robot needs {missing.name}, which a robot '
                      'install leaves out: pip install -r requirements/demo.txt') from None
