@@ -1,5 +1,5 @@
 """Installs molmobot_policy with colcon (ament_python) on a ROS 2 install, or with pip. The demo
-(simulated robot, demo runner) is the package in demo/: docs/decisions/one-ros-package.md."""
+(simulated robot, demo runner) is the package in demo/: docs/decisions/demo-package.md."""
 from glob import glob
 
 from setuptools import find_packages, setup

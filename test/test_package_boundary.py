@@ -1,6 +1,6 @@
 """The policy package (molmobot_policy/) stands alone: no module of it imports the demo package
 (molmobot_policy_demo, in demo/) or names one of its modules for a subprocess, so a robot that
-builds and installs only the policy package runs all of it (docs/decisions/one-ros-package.md)."""
+builds and installs only the policy package runs all of it (docs/decisions/demo-package.md)."""
 import ast
 from pathlib import Path
 
