@@ -96,3 +96,55 @@ def graphs(graph_class):
     yield make
     for graph in made:
         graph.close()
+
+
+class RecordingGraph(InProcessGraph):
+    """A PolicyNode (engine `engine`, `cameras`, `joint_state_topic` with `joints`; a 0.2 s
+    chunk period, 0.05 s control period and diagnostics period 0.2 s unless `parameters`
+    say otherwise) and a peer publishing 4x4 frames and the joint state every 0.05 s, spun in
+    one executor thread on their own context; the node is autostarted. The peer records
+    ~/chunk_info as dicts (`infos`) and every /diagnostics message (`diagnostics`)."""
+
+    def __init__(self, name: str, cameras, joint_state_topic: str, joints,
+                 engine=StandInEngine, **parameters) -> None:
+        import threading
+
+        import rclpy
+        from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.parameter import Parameter
+
+        from molmobot_policy.ros.node import PolicyNode
+        self.name = name
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        values = dict(autostart=False, camera_topics=list(cameras), joint_names=list(joints),
+                      action_joint_names=list(joints), instruction='pick',
+                      allow_random_weights=True, joint_state_topic=joint_state_topic,
+                      chunk_period=0.2, control_period=0.05, diagnostics_period=0.2,
+                      gc_freeze=False)
+        values.update(parameters)
+        self.policy = PolicyNode(engine_factory=engine, node_name=name, context=self.context,
+                                 parameter_overrides=[Parameter(k, value=v)
+                                                      for k, v in values.items()])
+        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
+        self.lock = threading.Lock()
+        self.infos, self.diagnostics = [], []
+        self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
+        self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
+        publish_robot_inputs(self.peer, cameras, joint_state_topic, joints, period=0.05,
+                             height=4, width=4)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.policy)
+        self.executor.add_node(self.peer)
+        assert self.policy.autostart()
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def _on_info(self, msg):
+        with self.lock:
+            self.infos.append({kv.key: kv.value for kv in msg.values})
+
+    def _on_diagnostics(self, msg):
+        with self.lock:
+            self.diagnostics.append(msg)

@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
-from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 from molmobot_policy.ros.parameters import PARAMETERS, ParameterError  # noqa: E402
 
-from _robot_inputs import (InProcessGraph, StandInEngine, graphs,  # noqa: E402
-                           publish_robot_inputs)
+from _robot_inputs import RecordingGraph, graphs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,48 +24,27 @@ CAMERAS = ['/camproc_cam0', '/camproc_cam1']
 JOINT_STATES = '/camproc_joint_states'
 
 
-class _Graph(InProcessGraph):
-    """A PolicyNode (camera_receiver: subprocess) and a peer spinning in one executor thread;
-    the peer records ~/chunk_info and the node's /diagnostics messages."""
+class _Graph(RecordingGraph):
+    """The node with camera_receiver: subprocess; `messages` / `values`: the node's
+    /diagnostics statuses' messages and key values so far."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.closed = name, False
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.policy = PolicyNode(engine_factory=StandInEngine, node_name=name,
-                                 context=self.context,
-                                 parameter_overrides=[Parameter(k, value=v) for k, v in dict(
-                                     autostart=False, camera_topics=CAMERAS, joint_names=JOINTS,
-                                     action_joint_names=JOINTS, instruction='pick',
-                                     allow_random_weights=True, joint_state_topic=JOINT_STATES,
-                                     chunk_period=0.2, control_period=0.05,
-                                     diagnostics_period=0.2, gc_freeze=False,
-                                     camera_receiver='subprocess').items()])
-        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
-        self.lock = threading.Lock()
-        self.infos, self.messages, self.values = [], [], []
-        self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
-        self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
-        publish_robot_inputs(self.peer, CAMERAS, JOINT_STATES, JOINTS, period=0.05,
-                             height=4, width=4)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.policy)
-        self.executor.add_node(self.peer)
-        assert self.policy.autostart()
+        self.closed = False
+        super().__init__(name, CAMERAS, JOINT_STATES, JOINTS, camera_receiver='subprocess')
         self.receiver = self.policy._receiver
         self.segment = f'/dev/shm/{self.receiver.segment}'
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
 
-    def _on_info(self, msg):
-        with self.lock:
-            self.infos.append({kv.key: kv.value for kv in msg.values})
+    def _mine(self):
+        return [s for a in self.diagnostics for s in a.status
+                if s.name.startswith(f'{self.name}: ')]
 
-    def _on_diagnostics(self, msg):
-        with self.lock:
-            mine = [s for s in msg.status if s.name.startswith(f'{self.name}: ')]
-            self.messages.extend(s.message for s in mine)
-            self.values.extend(kv.value for s in mine for kv in s.values)
+    @property
+    def messages(self) -> list[str]:
+        return [s.message for s in self._mine()]
+
+    @property
+    def values(self) -> list[str]:
+        return [kv.value for s in self._mine() for kv in s.values]
 
     def wait_for(self, predicate, timeout: float = 60.0) -> bool:    # a child process starts
         return super().wait_for(predicate, timeout)

@@ -5,20 +5,14 @@ input."""
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from rclpy.parameter import Parameter  # noqa: E402
 
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
-from molmobot_policy.ros.node import PolicyNode  # noqa: E402
 
-from _robot_inputs import (InProcessGraph, StandInEngine, graphs,  # noqa: E402
-                           publish_robot_inputs)
+from _robot_inputs import RecordingGraph, StandInEngine, graphs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,47 +28,13 @@ class _Engine(StandInEngine):
         return float(observation.seq)
 
 
-class _Graph(InProcessGraph):
-    """A PolicyNode and a peer spinning in one executor thread; the peer records."""
-
-    def __init__(self, name: str, **parameters) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.policy = PolicyNode(engine_factory=_Engine, node_name=name, context=self.context,
-                                 parameter_overrides=[Parameter(k, value=v) for k, v in dict(
-                                     autostart=False, camera_topics=CAMERAS, joint_names=JOINTS,
-                                     action_joint_names=JOINTS, instruction='pick',
-                                     allow_random_weights=True,
-                                     joint_state_topic=JOINT_STATES,
-                                     chunk_period=0.2, control_period=0.05,
-                                     diagnostics_period=0.2, gc_freeze=False,
-                                     **parameters).items()])
-        self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
-        self.lock = threading.Lock()
-        self.infos, self.diagnostics = [], []
-        self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
-        self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
-        publish_robot_inputs(self.peer, CAMERAS, JOINT_STATES, JOINTS, period=0.05,
-                             height=4, width=4)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.policy)
-        self.executor.add_node(self.peer)
-        assert self.policy.autostart()
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self.thread.start()
-
-    def _on_info(self, msg):
-        with self.lock:
-            self.infos.append({kv.key: kv.value for kv in msg.values})
-
-    def _on_diagnostics(self, msg):
-        with self.lock:
-            self.diagnostics.append(msg)
+def _graph(name: str, **parameters) -> RecordingGraph:
+    return RecordingGraph(name, CAMERAS, JOINT_STATES, JOINTS, engine=_Engine, **parameters)
 
 
 @pytest.fixture
 def graph():
-    yield from graphs(_Graph)
+    yield from graphs(_graph)
 
 
 def test_chunk_info_without_debug_timing_has_no_delay_clues(graph):
