@@ -108,6 +108,18 @@ def test_the_schedule_is_rated_by_the_publish_jitter_p99(jitter_ms, level):
     assert values['gc_collections'] == '0/0/0'
 
 
+def test_late_chunks_after_activation_stop_rating_the_schedule_once_newer_ones_are_on_time():
+    """Three chunks 170 ms late right after activation (cold caches), then on time: ERROR
+    while they are among the last LEVEL_CHUNKS, OK after; the values keep the whole window."""
+    from molmobot_policy.ros.diagnostics import LEVEL_CHUNKS
+    task, stats = _schedule([170.0] * 3 + [1.0] * (LEVEL_CHUNKS - 3))
+    assert _run(task)[0] == ERROR
+    for _ in range(3):
+        stats.jitter_ms.add(1.0)
+    level, message, values = _run(task)
+    assert level == OK and float(values['publish_jitter_max_ms']) == 170.0
+
+
 def test_the_last_skip_is_reported_until_a_chunk_is_published_again():
     """Cleared after one report, the status flipped OK / WARN every update while every tick
     was skipped (ticks 1.5 s apart, updates 1 s: second fresh-user trial)."""

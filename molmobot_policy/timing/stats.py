@@ -82,15 +82,20 @@ class RollingStats:
         """Number of samples ever added (not limited by the window)."""
         return self._total
 
-    def quantile(self, q: float) -> float:
-        """The q-quantile (0 <= q <= 1) of the window; nan when empty.
+    def quantile(self, q: float, last: int | None = None) -> float:
+        """The q-quantile (0 <= q <= 1) of the window, or of its `last` newest samples;
+        nan when empty.
 
         Raises:
-            ValueError: q outside [0, 1].
+            ValueError: q outside [0, 1], last < 1.
         """
         if not 0.0 <= q <= 1.0:
             raise ValueError(f'quantile must be in [0, 1], got {q!r}')
+        if last is not None and last < 1:
+            raise ValueError(f'last must be None or >= 1, got {last!r}')
         values = self.values()
+        if last is not None:
+            values = values[-last:]
         return float(np.quantile(values, q)) if values.size else math.nan
 
     @property
