@@ -50,6 +50,7 @@ READ_WAIT_S = 0.005                 # a read retries a slot being written (or to
 SEGMENT_PREFIX = 'molmobot_frames_'
 
 _barrier = threading.Lock()
+_TORN = object()        # `FrameSlots._read_once`: the slot changed under the read, try again
 
 
 def _fence() -> None:
@@ -58,8 +59,19 @@ def _fence() -> None:
         pass
 
 
+class _SlotData:
+    """`data` of a frame read from a slot: `data_`, or ValueError(`too_large`) for a message
+    that did not fit its slot."""
+
+    @property
+    def data(self) -> bytes:
+        if self.too_large:
+            raise ValueError(self.too_large)
+        return self.data_
+
+
 @dataclass(frozen=True)
-class RawFrame:
+class RawFrame(_SlotData):
     """A sensor_msgs/Image's fields as `ros.codec.image_to_rgb` reads them (height, width:
     pixels; step: bytes per row; encoding: e.g. 'rgb8'; data: bytes)."""
     height: int
@@ -69,28 +81,14 @@ class RawFrame:
     data_: bytes
     too_large: str = ''
 
-    @property
-    def data(self) -> bytes:
-        """Raises ValueError for a message that did not fit its slot."""
-        if self.too_large:
-            raise ValueError(self.too_large)
-        return self.data_
-
 
 @dataclass(frozen=True)
-class CompressedFrame:
+class CompressedFrame(_SlotData):
     """A sensor_msgs/CompressedImage's fields as `ros.codec.compressed_to_rgb` reads them
     (format: e.g. 'rgb8; jpeg compressed bgr8'; data: bytes)."""
     format: str
     data_: bytes
     too_large: str = ''
-
-    @property
-    def data(self) -> bytes:
-        """Raises ValueError for a message that did not fit its slot."""
-        if self.too_large:
-            raise ValueError(self.too_large)
-        return self.data_
 
 
 @dataclass(frozen=True)
@@ -208,42 +206,44 @@ class FrameSlots:
         `SlotFrame.count` seen before; 0: none seen), else None. A slot being written, or
         overwritten while copied, is read again until `wait` seconds have passed (the write
         ends within a copy's time), then None (a writer that died mid-write)."""
-        offset = slot * self._stride
-        buffer = self._buffer
         give_up = time.perf_counter() + wait
-        tried = False
-        while not tried or time.perf_counter() < give_up:
-            if tried:
-                time.sleep(0)       # let the writer's CPU run
-            tried = True
-            before = struct.unpack_from('<Q', buffer, offset)[0]
-            if before % 2:
-                continue            # being written
+        while True:
+            frame = self._read_once(slot * self._stride, since)
+            if frame is not _TORN:
+                return frame
+            if time.perf_counter() >= give_up:
+                return None
+            time.sleep(0)           # let the writer's CPU run
+
+    def _read_once(self, offset: int, since: int):
+        """One attempt of `read` at the slot at `offset`: a SlotFrame, None (nothing newer than
+        `since`), or _TORN (being written, or overwritten while copied)."""
+        buffer = self._buffer
+        before = struct.unpack_from('<Q', buffer, offset)[0]
+        if before % 2:
+            return _TORN            # being written
+        _fence()
+        (_, count, stamp, received, length, height, width, step, compressed, text_length,
+         text) = HEADER.unpack_from(buffer, offset)
+        if count <= since:
             _fence()
-            (_, count, stamp, received, length, height, width, step, compressed, text_length,
-             text) = HEADER.unpack_from(buffer, offset)
-            if count <= since:
-                _fence()
-                if struct.unpack_from('<Q', buffer, offset)[0] == before:
-                    return None
-                continue
-            recent = _RECENT.unpack_from(buffer, offset + HEADER.size)
-            start = offset + HEADER.size + _RECENT.size
-            fits = length <= self.capacity
-            data = bytes(buffer[start:start + length]) if fits else b''
-            _fence()
-            if struct.unpack_from('<Q', buffer, offset)[0] != before:
-                continue            # torn: overwritten while copying
-            text = text[:text_length].decode('ascii', 'replace')
-            too_large = '' if fits else (
-                f'frame of {length} bytes does not fit the shared-memory slot of the camera '
-                f'receiver process ({self.capacity} bytes)')
-            message = (CompressedFrame(text, data, too_large) if compressed
-                       else RawFrame(height, width, text, step, data, too_large))
-            earlier = range(max(since + 1, count - RECENT + 1), count)
-            return SlotFrame(count, stamp, received, message,
-                             tuple(recent[n % RECENT] for n in earlier))
-        return None
+            return None if struct.unpack_from('<Q', buffer, offset)[0] == before else _TORN
+        recent = _RECENT.unpack_from(buffer, offset + HEADER.size)
+        start = offset + HEADER.size + _RECENT.size
+        fits = length <= self.capacity
+        data = bytes(buffer[start:start + length]) if fits else b''
+        _fence()
+        if struct.unpack_from('<Q', buffer, offset)[0] != before:
+            return _TORN            # overwritten while copying
+        text = text[:text_length].decode('ascii', 'replace')
+        too_large = '' if fits else (
+            f'frame of {length} bytes does not fit the shared-memory slot of the camera '
+            f'receiver process ({self.capacity} bytes)')
+        message = (CompressedFrame(text, data, too_large) if compressed
+                   else RawFrame(height, width, text, step, data, too_large))
+        earlier = range(max(since + 1, count - RECENT + 1), count)
+        return SlotFrame(count, stamp, received, message,
+                         tuple(recent[n % RECENT] for n in earlier))
 
     # -------------------------------------------------------------------- lifetime
     def close(self) -> None:
