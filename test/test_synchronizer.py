@@ -106,23 +106,23 @@ def test_stale_camera_is_named_with_its_age():
     assert 'stale' in str(skip) and 'age 1.000 s' in str(skip)
 
 
-def test_stale_joint_state_is_reported():
+def _stale_joint_state_skip():
+    """Every joint stamped 10.0 s, the cameras 10.9 s, built at 11.0 s with ages of 0.5 s."""
     sync = _sync()
     _fill(sync, stamp=10.0)
     for topic in CAMERAS:
         sync.add_image(topic, _image(1), 10.9, 10.9)
-    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    return sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+
+
+def test_stale_joint_state_is_reported():
+    skip = _stale_joint_state_skip()
     assert isinstance(skip, Skip)
     assert skip.topics == ('/joint_states',) and 'stale' in str(skip)
 
 
-
 def test_stale_joint_state_says_how_old_it_is_and_that_no_joint_is_current():
-    sync = _sync()
-    _fill(sync, stamp=10.0)
-    for topic in CAMERAS:
-        sync.add_image(topic, _image(1), 10.9, 10.9)
-    skip = sync.build(now=11.0, max_image_age=0.5, max_state_age=0.5)
+    skip = _stale_joint_state_skip()
     assert str(skip).count(f"is stale for {list(JOINTS)}: age 1.000 s > max_state_age "
                            f"0.500 s") == 1, skip
     assert 'current' not in str(skip)

@@ -18,8 +18,9 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   problem, a stale message (age > max_*_age) or a rate below diag_min_camera_rate, else OK.
 - `InferenceTask`: WARN / ERROR when the inference p99 exceeds diag_inference_warn_ms /
   diag_inference_error_ms; at least WARN, naming them, while RANDOM WEIGHTS are served (a
-  monitor that reads only levels must not see an untrained model as OK); carries what is served (checkpoint and weights fingerprint, or
-  RANDOM WEIGHTS), the engine's mode and the latency estimate behind the lead.
+  monitor that reads only levels must not see an untrained model as OK); carries what is
+  served (checkpoint and weights fingerprint, or RANDOM WEIGHTS), the engine's mode (and
+  where the cameras are received) and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 of the last LEVEL_CHUNKS chunks
   exceeds diag_jitter_warn_ms / diag_jitter_error_ms, WARN with the last skip reason while
   ticks are skipped; the loop's counters, sensor-to-publish age and garbage-collector pauses.

@@ -5,9 +5,9 @@ Subscription callbacks hand every message to `ObservationSynchronizer.add_image`
 joint: bounded memory). The worker calls `build(now, ...)` once per tick: it checks the
 age of every input, decodes only the frames it uses (lazily, `codec.decode_image`: raw or
 compressed; several frames at once on a shared thread pool, as OpenCV's decoders release the
-GIL: a 480x640 jpeg takes ~6 ms on one core, 8 of them in sequence would cost the tick ~50 ms)
-and returns a `types.Observation`, or a `Skip` naming what was missing, stale or bad. `latest_positions` gives the motion limits the newest measured position of each
-commanded joint (the action joints, which may differ from the state joints).
+GIL: 8 jpeg frames decoded one after the other would cost the tick 8 decodes) and returns a
+`types.Observation`, or a `Skip` naming what was missing, stale or bad. `latest_positions`
+gives the motion limits the newest measured position of each commanded joint (the action joints, which may differ from the state joints).
 
 Times are plain float seconds in ROS time (header stamps, and `now` from the node clock).
 """
@@ -433,9 +433,10 @@ class ObservationSynchronizer:
             return Skip(tuple(f'{k} went back in time' for k in older), tuple(older))
 
         pending = [(topic, frame) for topic, frame in frames.items() if frame.decoded is None]
-        began = time.perf_counter()
-        errors = dict(zip((topic for topic, _ in pending), self._decode_frames(pending)))
+        errors = {}
         if pending:
+            began = time.perf_counter()
+            errors = dict(zip((topic for topic, _ in pending), self._decode_frames(pending)))
             self.last_build_decode_s = time.perf_counter() - began
             self.frames_decoded += len(pending)
             self.last_build_decoded = len(pending)

@@ -32,7 +32,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import codec
-from molmobot_policy.ros.parameters import descriptor
+from molmobot_policy.ros.parameters import CAMERA_TRANSPORTS, descriptor
 from molmobot_policy_demo.sim import trajectory
 try:
     from molmobot_policy_demo.sim.scene import NUM_CAMERAS, JacoScene
@@ -43,7 +43,6 @@ except ModuleNotFoundError as missing:     # a robot's install: requirements/run
 NODE_NAME = 'sim_robot'
 DEFAULT_CAMERA_TOPICS = [f'/cam{k}/image_raw' for k in range(NUM_CAMERAS)]
 DEFAULT_CAMERA_FRAME_IDS = [f'cam{k}_optical_frame' for k in range(NUM_CAMERAS)]
-CAMERA_TRANSPORTS = ('raw', 'compressed')
 WARN_THROTTLE_S = 2.0   # at most one warning per call site per this many seconds
 MAX_PHYSICS_DT_S = 0.1  # a late physics tick advances at most this much simulated time
 
