@@ -102,11 +102,12 @@ class RecordingGraph(InProcessGraph):
     """A PolicyNode (engine `engine`, `cameras`, `joint_state_topic` with `joints`; a 0.2 s
     chunk period, 0.05 s control period and diagnostics period 0.2 s unless `parameters`
     say otherwise) and a peer publishing 4x4 frames and the joint state every 0.05 s, spun in
-    one executor thread on their own context; the node is autostarted. The peer records
-    ~/chunk_info as dicts (`infos`) and every /diagnostics message (`diagnostics`)."""
+    one executor thread on their own context; the node is autostarted (`cli_args`: its
+    command line, e.g. remap rules). The peer records ~/chunk_info as dicts (`infos`) and
+    every /diagnostics message (`diagnostics`)."""
 
     def __init__(self, name: str, cameras, joint_state_topic: str, joints,
-                 engine=StandInEngine, **parameters) -> None:
+                 engine=StandInEngine, cli_args=None, **parameters) -> None:
         import threading
 
         import rclpy
@@ -125,7 +126,7 @@ class RecordingGraph(InProcessGraph):
                       gc_freeze=False)
         values.update(parameters)
         self.policy = PolicyNode(engine_factory=engine, node_name=name, context=self.context,
-                                 parameter_overrides=[Parameter(k, value=v)
+                                 cli_args=cli_args, parameter_overrides=[Parameter(k, value=v)
                                                       for k, v in values.items()])
         self.peer = rclpy.create_node(f'{name}_peer', context=self.context)
         self.lock = threading.Lock()

@@ -28,9 +28,10 @@ class _Graph(RecordingGraph):
     """The node with camera_receiver: subprocess; `messages` / `values`: the node's
     /diagnostics statuses' messages and key values so far."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, **kwargs) -> None:
         self.closed = False
-        super().__init__(name, CAMERAS, JOINT_STATES, JOINTS, camera_receiver='subprocess')
+        super().__init__(name, CAMERAS, JOINT_STATES, JOINTS, camera_receiver='subprocess',
+                         **kwargs)
         self.receiver = self.policy._receiver
         self.segment = f'/dev/shm/{self.receiver.segment}'
 
@@ -76,6 +77,20 @@ def test_chunks_come_from_frames_the_receiver_process_passes_on(graph):
     with open(f'/proc/{g.receiver.pid}/comm') as comm:
         assert comm.read().strip() == 'camera_receiver'
     assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v for v in g.values))
+
+
+def test_the_receiver_subscribes_the_names_the_node_resolves_with_its_remap_rules(graph):
+    """camera_topics relative names remapped on the node's command line onto the peer's
+    topics: the child (whose own node has no command line) subscribes what the policy node
+    resolves, so frames arrive; the synchronizer keeps the parameter's names."""
+    remaps = [f'cam{k}_in:={topic}' for k, topic in enumerate(CAMERAS)]
+    g = graph('camproc_remap', camera_topics=['cam0_in', 'cam1_in'],
+              cli_args=['--ros-args'] + [arg for rule in remaps for arg in ('-r', rule)])
+    assert g.wait_for(lambda: len(g.infos) >= 3)
+    assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
+    subscribers = {i.node_name for t in CAMERAS
+                   for i in g.peer.get_subscriptions_info_by_topic(t)}
+    assert subscribers == {'camproc_remap_camera_receiver'}
 
 
 def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph):

@@ -45,12 +45,17 @@ class CameraReceiver:
             (`ros.parameters.camera_subscriptions`).
         camera_qos: 'sensor_data' or 'reliable' (the camera_qos parameter).
         capacity: data bytes per camera slot.
+        resolve: topic -> the fully qualified name the child subscribes, e.g. the policy
+            node's `resolve_topic_name` (its remap rules, namespace and `~` applied: the
+            child's own node has none of its command line); None: the topics as given.
     """
 
     def __init__(self, node_name: str, namespace: str, cameras, camera_qos: str,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
+                 capacity: int = DEFAULT_CAPACITY, resolve=None) -> None:
         self.node_name = f'{node_name}_camera_receiver'
         self._namespace, self._cameras = namespace, list(cameras)
+        self._subscribed = [(topic if resolve is None else resolve(topic), compressed)
+                            for topic, compressed in self._cameras]
         self._qos, self._capacity = camera_qos, capacity
         self._slots: FrameSlots | None = None
         self._process = None
@@ -76,7 +81,7 @@ class CameraReceiver:
             self._stop = context.Event()
             self._process = context.Process(
                 target=run_receiver, name=self.node_name, daemon=True,
-                args=(self.node_name, self._namespace, self._cameras, self._qos,
+                args=(self.node_name, self._namespace, self._subscribed, self._qos,
                       self._slots.name, self._capacity, self._stop, os.getpid()))
             self._process.start()
         except BaseException:

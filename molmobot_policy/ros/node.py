@@ -232,7 +232,8 @@ class PolicyNode(LifecycleNode):
                                     history=HistoryPolicy.KEEP_LAST)
         if self._param('camera_receiver') == 'subprocess':
             self._receiver = CameraReceiver(self.get_name(), self.get_namespace(), cameras,
-                                            self._param('camera_qos'))
+                                            self._param('camera_qos'),
+                                            resolve=self.resolve_topic_name)
         else:
             for topic, compressed in cameras:
                 self._input_subscriptions.append(self.create_subscription(
