@@ -57,11 +57,12 @@ CPU sanity run with the tiny model (2 cores: fewer, smaller frames; ratios only)
         --height 96 --width 128 --chunk-period 1.0 --control-period 0.2 --duration 60
 Compressed cameras (jpeg; the decode rows then show what decoding costs the node): add
 `--camera-transport compressed` to either.
-Cameras received in a process of the node's own (`--camera-receiver subprocess`: the node's
-`camera_receiver: subprocess`, a child process subscribing the cameras and passing the
-newest frames through shared memory; issue 19): add it to either. The node's CPU row then
-leaves the child out; `node_children` is the CPU of every process the node started (the
-receiver and multiprocessing's resource tracker).
+Where the node receives the cameras (`--camera-receiver`, the node's camera_receiver):
+`auto` (the node's default; here, on the system clock with room in /dev/shm: a child
+process subscribing the cameras and passing the newest frames through shared memory, issue
+19; the node log says which), `subprocess`, or `in_process` (its own subscriptions). With
+the child, the node's CPU row leaves it out; `node_children` is the CPU of every process the
+node started (the receiver and multiprocessing's resource tracker).
 
 Export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (the default set here if unset) and a
 ROS_DOMAIN_ID of your own; every process inherits them, and FASTDDS_DEFAULT_PROFILES_FILE
@@ -562,8 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="'raw': sensor_msgs/Image rgb8 on each camera topic; 'compressed': "
              'sensor_msgs/CompressedImage (jpeg of the same frames, encoded once) on '
              '<topic>/compressed, the node decoding them (camera_transports: [compressed])')
-    add('--camera-receiver', default='in_process', choices=CAMERA_RECEIVERS,
-        help="the node's camera_receiver: 'in_process' (its own subscriptions) or "
+    add('--camera-receiver', default='auto', choices=CAMERA_RECEIVERS,
+        help="the node's camera_receiver: 'auto' (its default: 'subprocess' on the system "
+             "clock with room in /dev/shm), 'in_process' (its own subscriptions) or "
              "'subprocess' (a child process receives the cameras and passes the newest "
              'frames through shared memory)')
     add('--jpeg-quality', type=int, default=JPEG_QUALITY,

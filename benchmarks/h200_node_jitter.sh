@@ -14,7 +14,7 @@
 #   bash benchmarks/h200_node_jitter.sh --check-only          # wheels + import check only
 #   PY=.venv/bin/python bash benchmarks/h200_node_jitter.sh --skip-wheel-install --tiny-cpu
 #   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh --camera-transport compressed
-#   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh --camera-receiver subprocess
+#   OUT=/path/to/results bash benchmarks/h200_node_jitter.sh --camera-receiver in_process
 #
 # Options: --skip-wheel-install (use $PY, default python3, as it is: it must import rclpy),
 # --check-only (stop after the import check), --tiny-cpu (tiny model on the CPU, small
@@ -25,10 +25,11 @@
 # --camera-transport compressed (default raw): the cameras publish the same frames as jpeg
 # sensor_msgs/CompressedImage on <topic>/compressed (--jpeg-quality, default 95) and the node
 # decodes them; the table's decode rows (ms per chunk and per frame) give that cost.
-# --camera-receiver subprocess (default in_process): the node's camera_receiver: a child
-# process of the node receives the cameras and passes the newest frame of each through shared
-# memory, so that the node's interpreter (the worker's GIL) sees no camera traffic (issue 19);
-# compare inference and jitter with a run without it. The CPU row node_children is the child's.
+# --camera-receiver in_process|subprocess (default auto, the node's default: subprocess here):
+# the node's camera_receiver; with subprocess a child process of the node receives the
+# cameras and passes the newest frame of each through shared memory, so that the node's
+# interpreter (the worker's GIL) sees no camera traffic (issue 19); in_process: the node's
+# own subscriptions, for comparison. The CPU row node_children is the child's.
 # Environment (defaults): OUT (benchmarks/out), DURATION (300 s), WARMUP (15 s),
 # CHUNK_PERIOD (0.15 s), CONTROL_PERIOD (0.05 s), QUANTIZE (none), ROS_DOMAIN_ID (100-199 from
 # the process id, so two runs on one machine do not share topics),

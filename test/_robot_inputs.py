@@ -100,8 +100,9 @@ def graphs(graph_class):
 
 class RecordingGraph(InProcessGraph):
     """A PolicyNode (engine `engine`, `cameras`, `joint_state_topic` with `joints`; a 0.2 s
-    chunk period, 0.05 s control period and diagnostics period 0.2 s unless `parameters`
-    say otherwise) and a peer publishing 4x4 frames and the joint state every 0.05 s, spun in
+    chunk period, 0.05 s control period, diagnostics period 0.2 s and the cameras received
+    in process (the rules under test are the synchronizer's, which the receiver process feeds
+    too: test_node_camera_receiver) unless `parameters` say otherwise) and a peer publishing 4x4 frames and the joint state every 0.05 s, spun in
     one executor thread on their own context; the node is autostarted (`cli_args`: its
     command line, e.g. remap rules). The peer records ~/chunk_info as dicts (`infos`) and
     every /diagnostics message (`diagnostics`)."""
@@ -123,7 +124,7 @@ class RecordingGraph(InProcessGraph):
                       action_joint_names=list(joints), instruction='pick',
                       allow_random_weights=True, joint_state_topic=joint_state_topic,
                       chunk_period=0.2, control_period=0.05, diagnostics_period=0.2,
-                      gc_freeze=False)
+                      gc_freeze=False, camera_receiver='in_process')
         values.update(parameters)
         self.policy = PolicyNode(engine_factory=engine, node_name=name, context=self.context,
                                  cli_args=cli_args, parameter_overrides=[Parameter(k, value=v)

@@ -25,13 +25,13 @@ JOINT_STATES = '/camproc_joint_states'
 
 
 class _Graph(RecordingGraph):
-    """The node with camera_receiver: subprocess; `messages` / `values`: the node's
+    """The node with camera_receiver: subprocess (unless given); `messages` / `values`: the node's
     /diagnostics statuses' messages and key values so far."""
 
     def __init__(self, name: str, **kwargs) -> None:
         self.closed = False
-        super().__init__(name, CAMERAS, JOINT_STATES, JOINTS, camera_receiver='subprocess',
-                         **kwargs)
+        super().__init__(name, CAMERAS, JOINT_STATES, JOINTS,
+                         **{'camera_receiver': 'subprocess', **kwargs})
         self.receiver = self.policy._receiver
         self.segment = f'/dev/shm/{self.receiver.segment}'
 
@@ -126,6 +126,27 @@ def test_deactivate_and_destroy_stop_the_receiver_and_remove_its_shared_memory(g
     assert not any(s.endswith(str(os.getpid())) for s in _segments())
 
 
+def test_auto_is_the_default_and_receives_in_a_child_process(graph):
+    assert PARAMETERS['camera_receiver'][0] == 'auto'
+    g = graph('camproc_auto', camera_receiver='auto')     # /dev/shm here: gigabytes free
+    assert g.wait_for(lambda: len(g.infos) >= 3)
+    assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
+    assert g.wait_for(lambda: any(f'subprocess (pid {g.receiver.pid}' in v for v in g.values))
+
+
+def test_auto_with_use_sim_time_receives_in_process_and_says_why():
+    g = RecordingGraph('camproc_auto_sim', CAMERAS, JOINT_STATES, JOINTS,
+                       camera_receiver='auto', use_sim_time=True)
+    try:
+        assert g.policy._receiver is None
+        subscribers = {i.node_name for t in CAMERAS
+                       for i in g.peer.get_subscriptions_info_by_topic(t)}
+        assert subscribers == {'camproc_auto_sim'}
+        assert g.policy._mode()['camera_receiver'].startswith('in_process (auto: use_sim_time')
+    finally:
+        g.close()
+
+
 def test_subprocess_with_use_sim_time_is_refused_naming_both_parameters():
     from molmobot_policy.ros.parameters import check_parameter_values
     values = {name: default for name, (default, _) in PARAMETERS.items()}
@@ -136,5 +157,6 @@ def test_subprocess_with_use_sim_time_is_refused_naming_both_parameters():
     values.update(use_sim_time=False)
     check_parameter_values(values.get)
     values.update(camera_receiver='thread')
-    with pytest.raises(ParameterError, match="not one of \\['in_process', 'subprocess'\\]"):
+    with pytest.raises(ParameterError,
+                       match="not one of \\['auto', 'in_process', 'subprocess'\\]"):
         check_parameter_values(values.get)

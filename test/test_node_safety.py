@@ -92,7 +92,9 @@ class _Graph(InProcessGraph):
                       action_joint_names=list(action_joints), instruction='pick',
                       joint_state_topic=self.joint_states, chunk_period=0.2,
                       control_period=CONTROL_PERIOD, diagnostics_period=DIAGNOSTICS,
-                      gc_freeze=False, max_image_age=0.5, max_state_age=0.5, **parameters)
+                      gc_freeze=False, max_image_age=0.5, max_state_age=0.5,
+                      camera_receiver='in_process')
+        values.update(parameters)
         kwargs = {} if namespace is None else {'namespace': namespace}
         self.policy = PolicyNode(engine_factory=engine, node_name=name, context=self.context,
                                  argv=argv, parameter_overrides=[

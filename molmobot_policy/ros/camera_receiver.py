@@ -14,7 +14,9 @@ for a message received in the node; frames overwritten between two polls are cou
 its receive statistics but never offered.
 
 Only the system clock: the receive times come from the child's clock, which does not
-follow /clock; the node refuses `subprocess` with use_sim_time (`ros.parameters`).
+follow /clock; the node refuses `subprocess` with use_sim_time (`ros.parameters`), and
+`auto` (the default) receives in process there, or where /dev/shm lacks room for the slots
+(`choose_receiver`).
 
 Lifetime: `start` creates the segment (a unique name) and starts the child ('spawn'
 start method: no fork of a process with CUDA and DDS threads); `stop` asks it to end,
@@ -28,11 +30,64 @@ import multiprocessing
 import os
 import signal
 import threading
+from typing import NamedTuple
 
-from molmobot_policy.ros.frame_slots import DEFAULT_CAPACITY, FrameSlots
+from molmobot_policy.ros.frame_slots import DEFAULT_CAPACITY, FrameSlots, slot_bytes
 
 STOP_TIMEOUT_S = 5.0        # the child's time to end after being asked, before SIGKILL
 SPIN_TIMEOUT_S = 0.1        # the child checks its stop event and its parent this often
+SHM_DIR = '/dev/shm'        # where the segment lives (Python's shared_memory on Linux)
+SHM_HEADROOM = 32 * 1024 * 1024   # bytes left free beside the slots: Fast DDS's segments
+                                  # (config/fastdds_large_images.xml: 16 MiB per process)
+
+
+def shm_free(path: str = SHM_DIR) -> int | None:
+    """Bytes free in the shared-memory filesystem at `path`, None where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class ReceiverChoice(NamedTuple):
+    """Where the cameras are received (`choose_receiver`): mode 'in_process' or 'subprocess';
+    reason, for the log and the 'inference' status; warning: the choice may fail at run time
+    (log it as a warning)."""
+    mode: str
+    reason: str
+    warning: bool = False
+
+
+def choose_receiver(setting: str, use_sim_time: bool, cameras: int, free: int | None,
+                    capacity: int = DEFAULT_CAPACITY) -> ReceiverChoice:
+    """Where the cameras are received, for the camera_receiver parameter `setting` ('auto',
+    'in_process', 'subprocess').
+
+    free: bytes free in /dev/shm (`shm_free`), None where there is none. 'auto' receives in a
+    child process unless use_sim_time is set (its receive times are on the system clock) or
+    /dev/shm cannot hold every slot full (`cameras` x `capacity` bytes plus SHM_HEADROOM: a
+    write into a full tmpfs kills the writer with SIGBUS). An explicit setting is kept;
+    `subprocess` without that room comes with a warning.
+    """
+    need = cameras * slot_bytes(capacity) + SHM_HEADROOM
+    room = free is not None and free >= need
+    space = (f'no {SHM_DIR}' if free is None else
+             f'{free / 2**20:.0f} MiB free in {SHM_DIR} for {need / 2**20:.0f} MiB ({cameras} '
+             f'cameras x {capacity / 2**20:.0f} MiB + {SHM_HEADROOM // 2**20} MiB for DDS)')
+    if setting == 'in_process':
+        return ReceiverChoice('in_process', 'set')
+    if setting == 'subprocess':
+        if room:
+            return ReceiverChoice('subprocess', 'set')
+        return ReceiverChoice('subprocess', f'set, with {space}: the receiver process dies if '
+                              'the frames fill it', warning=True)
+    if use_sim_time:
+        return ReceiverChoice('in_process', 'auto: use_sim_time is set and the receiver '
+                              'process stamps on the system clock')
+    if not room:
+        return ReceiverChoice('in_process', f'auto: {space}')
+    return ReceiverChoice('subprocess', 'auto')
 
 
 class CameraReceiver:

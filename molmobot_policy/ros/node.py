@@ -35,7 +35,7 @@ from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
 from molmobot_policy.ros import messages
-from molmobot_policy.ros.camera_receiver import CameraReceiver
+from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver, shm_free
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
 from molmobot_policy.ros.param_files import unmatched_parameter_files
@@ -91,6 +91,7 @@ class PolicyNode(LifecycleNode):
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
         self._receiver_failed = ''      # the receiver's exit, logged once per activation
+        self._receiver_choice = 'in_process'    # where and why, decided at activate
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
         self._idle = IdleStatus(self, self._param)      # while not active
@@ -106,7 +107,7 @@ class PolicyNode(LifecycleNode):
         are received (the receiver child's pid, for ps / kill)."""
         mode = dict(self.engine.mode) if self.engine is not None else {}
         receiver = self._receiver
-        mode['camera_receiver'] = ('in_process' if receiver is None else
+        mode['camera_receiver'] = (self._receiver_choice if receiver is None else
                                    f'subprocess (pid {receiver.pid}, node {receiver.node_name})')
         return mode
 
@@ -230,7 +231,12 @@ class PolicyNode(LifecycleNode):
         else:
             camera_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                                     history=HistoryPolicy.KEEP_LAST)
-        if self._param('camera_receiver') == 'subprocess':
+        choice = choose_receiver(self._param('camera_receiver'), self._param('use_sim_time'),
+                                 len(cameras), shm_free())
+        self._receiver_choice = f'{choice.mode} ({choice.reason})'
+        (self.get_logger().warning if choice.warning else self.get_logger().info)(
+            f'camera_receiver: {self._receiver_choice}')
+        if choice.mode == 'subprocess':
             self._receiver = CameraReceiver(self.get_name(), self.get_namespace(), cameras,
                                             self._param('camera_qos'),
                                             resolve=self.resolve_topic_name)

@@ -25,7 +25,7 @@ DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
 DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
 CAMERA_QOS = ('sensor_data', 'reliable')
 CAMERA_TRANSPORTS = ('raw', 'compressed')
-CAMERA_RECEIVERS = ('in_process', 'subprocess')
+CAMERA_RECEIVERS = ('auto', 'in_process', 'subprocess')
 DEFAULT_MAX_JOINT_VELOCITY = 1.5    # rad/s: below common arm limits (Franka 2.2-2.6, UR
                                     # 3.1 rad/s); above what the demo's Jaco moves (its
                                     # actuators: 0.6-0.8 rad/s)
@@ -73,12 +73,14 @@ PARAMETERS = {
         "per camera topic 'raw' (sensor_msgs/Image on the topic) or 'compressed' "
         "(sensor_msgs/CompressedImage, jpeg or png, on <topic>/compressed, as image_transport "
         'names it); one value: every camera', _SA)),
-    'camera_receiver': ('in_process', descriptor(
+    'camera_receiver': ('auto', descriptor(
         'where the camera messages are received', _S,
-        constraints="'in_process' (this node's subscriptions) or 'subprocess' (a child "
-        "process, node <name>_camera_receiver, receives them and passes the newest frame of "
-        'each camera through shared memory, so that the camera traffic takes no time from '
-        "this process's interpreter; system clock only: refused with use_sim_time)")),
+        constraints="'subprocess' (a child process, node <name>_camera_receiver, receives "
+        'them and passes the newest frame of each camera through shared memory, so that the '
+        "camera traffic takes no time from this process's interpreter; system clock only: "
+        "refused with use_sim_time), 'in_process' (this node's subscriptions) or 'auto' "
+        "(subprocess, unless use_sim_time is set or /dev/shm has no room for 8 MiB per "
+        'camera + 32 MiB; decided and logged at activate)')),
     'joint_state_topic': ('/joint_states', descriptor('sensor_msgs/JointState topic', _S)),
     'joint_names': (DEFAULT_JOINTS, descriptor(
         'joints making up the state vector, in order (matched by name)', _SA)),
