@@ -2,20 +2,34 @@
 
 
 def publish_robot_inputs(node, camera_topics, joint_state_topic: str, joint_names,
-                         period: float = 0.1, height: int = 32, width: int = 40):
-    """A timer on `node` publishing black rgb8 frames on every camera topic (sensor-data QoS)
-    and zero joint positions, all stamped now, every `period` s. Returns the timer."""
+                         period: float = 0.1, height: int = 32, width: int = 40,
+                         compressed: bool = False):
+    """A timer on `node` publishing black rgb8 frames on every camera topic (sensor-data QoS;
+    `compressed`: jpeg sensor_msgs/CompressedImage on <topic>/compressed) and zero joint
+    positions, all stamped now, every `period` s. Returns the timer."""
+    import numpy as np
     from rclpy.qos import qos_profile_sensor_data
-    from sensor_msgs.msg import Image, JointState
-    cameras = [node.create_publisher(Image, t, qos_profile_sensor_data) for t in camera_topics]
+    from sensor_msgs.msg import CompressedImage, Image, JointState
+
+    from molmobot_policy.ros import codec
+    if compressed:
+        cameras = [node.create_publisher(CompressedImage, f'{t}/compressed',
+                                         qos_profile_sensor_data) for t in camera_topics]
+        jpeg = codec.rgb_to_jpeg(np.zeros((height, width, 3), np.uint8))
+    else:
+        cameras = [node.create_publisher(Image, t, qos_profile_sensor_data)
+                   for t in camera_topics]
     joints = node.create_publisher(JointState, joint_state_topic, 10)
     pixels = bytes(height * width * 3)
 
     def publish():
         stamp = node.get_clock().now().to_msg()
         for camera in cameras:
-            msg = Image(height=height, width=width, encoding='rgb8', step=3 * width,
-                        data=pixels)
+            if compressed:
+                msg = CompressedImage(format=codec.JPEG_FORMAT, data=jpeg)
+            else:
+                msg = Image(height=height, width=width, encoding='rgb8', step=3 * width,
+                            data=pixels)
             msg.header.stamp = stamp
             camera.publish(msg)
         state = JointState(name=list(joint_names), position=[0.0] * len(joint_names))
@@ -135,7 +149,8 @@ class RecordingGraph(InProcessGraph):
         self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
         self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
         publish_robot_inputs(self.peer, cameras, joint_state_topic, joints, period=0.05,
-                             height=4, width=4)
+                             height=4, width=4,
+                             compressed=values.get('camera_transports') == ['compressed'])
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.policy)
         self.executor.add_node(self.peer)

@@ -79,6 +79,16 @@ def test_chunks_come_from_frames_the_receiver_process_passes_on(graph):
     assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v for v in g.values))
 
 
+def test_compressed_cameras_pass_through_the_receiver_and_are_decoded_in_the_node(graph):
+    g = graph('camproc_jpeg', camera_transports=['compressed'])
+    assert g.wait_for(lambda: len(g.infos) >= 3)
+    assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
+    assert all(float(info[ChunkInfo.DECODE_MS]) > 0 for info in g.infos[1:])
+    subscribers = {i.node_name for t in CAMERAS
+                   for i in g.peer.get_subscriptions_info_by_topic(f'{t}/compressed')}
+    assert subscribers == {'camproc_jpeg_camera_receiver'}
+
+
 def test_the_receiver_subscribes_the_names_the_node_resolves_with_its_remap_rules(graph):
     """camera_topics relative names remapped on the node's command line onto the peer's
     topics: the child (whose own node has no command line) subscribes what the policy node
