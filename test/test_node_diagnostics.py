@@ -120,6 +120,20 @@ def test_late_chunks_after_activation_stop_rating_the_schedule_once_newer_ones_a
     assert level == OK and float(values['publish_jitter_max_ms']) == 170.0
 
 
+def test_a_late_first_chunk_alone_does_not_rate_the_schedule_but_stays_in_the_values():
+    """The activation's first chunk runs on the warm-up's lead estimate: 60 ms late, then on
+    time, is OK at once (a trial saw it hold ERROR for 20 chunks); a late second chunk is not
+    left out."""
+    task, stats = _schedule([60.0])
+    assert _run(task)[0] == OK
+    stats.jitter_ms.add(1.0)
+    level, _, values = _run(task)
+    assert level == OK and float(values['publish_jitter_max_ms']) == 60.0
+    stats.jitter_ms.add(60.0)
+    level, message, _ = _run(task)
+    assert level == ERROR and 'over the last 2 chunks' in message
+
+
 def test_the_last_skip_is_reported_until_a_chunk_is_published_again():
     """Cleared after one report, the status flipped OK / WARN every update while every tick
     was skipped (ticks 1.5 s apart, updates 1 s: second fresh-user trial)."""
