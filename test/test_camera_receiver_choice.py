@@ -10,7 +10,10 @@ ROOM = 8 * slot_bytes(DEFAULT_CAPACITY) + SHM_HEADROOM      # 8 cameras, every s
 
 
 def test_auto_receives_in_a_child_process_on_the_system_clock_with_room_in_dev_shm():
-    assert choose_receiver('auto', False, 8, ROOM) == ('subprocess', 'auto', False)
+    choice = choose_receiver('auto', False, 8, ROOM)
+    assert choice.mode == 'subprocess' and not choice.warning
+    assert choice.reason == (f'auto: the system clock, {ROOM / MIB:.0f} MiB free in /dev/shm '
+                             f'for {ROOM / MIB:.0f} MiB (8 cameras x 8 MiB + 32 MiB for DDS)')
 
 
 def test_auto_receives_in_process_with_use_sim_time_and_says_why():

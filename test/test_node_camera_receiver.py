@@ -113,6 +113,9 @@ def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph)
         seen = len(g.messages)
     assert g.wait_for(lambda: len(g.messages) > seen)      # /diagnostics still comes
     assert g.policy.loop._thread.is_alive()
+    # the 'inference' status's receiver entry says so too, not only its old pid
+    assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v and reason in v
+                                  for v in g.values))
 
 
 def test_deactivate_and_destroy_stop_the_receiver_and_remove_its_shared_memory(graph):
@@ -141,7 +144,8 @@ def test_auto_is_the_default_and_receives_in_a_child_process(graph):
     g = graph('camproc_auto', camera_receiver='auto')     # /dev/shm here: gigabytes free
     assert g.wait_for(lambda: len(g.infos) >= 3)
     assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
-    assert g.wait_for(lambda: any(f'subprocess (pid {g.receiver.pid}' in v for v in g.values))
+    assert g.wait_for(lambda: any(v.startswith('subprocess (auto: the system clock, ')
+                                  and f'pid {g.receiver.pid}' in v for v in g.values))
 
 
 def test_auto_with_use_sim_time_receives_in_process_and_says_why():

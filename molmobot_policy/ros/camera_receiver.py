@@ -87,7 +87,7 @@ def choose_receiver(setting: str, use_sim_time: bool, cameras: int, free: int | 
                               'process stamps on the system clock')
     if not room:
         return ReceiverChoice('in_process', f'auto: {space}')
-    return ReceiverChoice('subprocess', 'auto')
+    return ReceiverChoice('subprocess', f'auto: the system clock, {space}')
 
 
 class CameraReceiver:

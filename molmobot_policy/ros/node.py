@@ -107,8 +107,12 @@ class PolicyNode(LifecycleNode):
         are received (the receiver child's pid, for ps / kill)."""
         mode = dict(self.engine.mode) if self.engine is not None else {}
         receiver = self._receiver
-        mode['camera_receiver'] = (self._receiver_choice if receiver is None else
-                                   f'subprocess (pid {receiver.pid}, node {receiver.node_name})')
+        mode['camera_receiver'] = self._receiver_choice
+        if receiver is not None:
+            mode['camera_receiver'] += f'; pid {receiver.pid}, node {receiver.node_name}'
+            problem = receiver.problem()
+            if problem:
+                mode['camera_receiver'] += f'; {problem}'
         return mode
 
     def _validate_parameters(self, parameters) -> SetParametersResult:
