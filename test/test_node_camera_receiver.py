@@ -32,8 +32,8 @@ class _Graph(RecordingGraph):
         self.closed = False
         super().__init__(name, CAMERAS, JOINT_STATES, JOINTS,
                          **{'camera_receiver': 'subprocess', **kwargs})
-        self.receiver = self.policy._receiver
-        self.segment = f'/dev/shm/{self.receiver.segment}'
+        self.receiver = self.policy._receiver       # None: received in process
+        self.segment = self.receiver and f'/dev/shm/{self.receiver.segment}'
 
     def _mine(self):
         return [s for a in self.diagnostics for s in a.status
@@ -89,18 +89,25 @@ def test_compressed_cameras_pass_through_the_receiver_and_are_decoded_in_the_nod
     assert subscribers == {'camproc_jpeg_camera_receiver'}
 
 
-def test_the_receiver_subscribes_the_names_the_node_resolves_with_its_remap_rules(graph):
+@pytest.mark.parametrize('receiver', ['subprocess', 'in_process'])
+def test_remapped_cameras_are_received_and_named_as_the_node_resolves_them(graph, receiver):
     """camera_topics relative names remapped on the node's command line onto the peer's
     topics: the child (whose own node has no command line) subscribes what the policy node
-    resolves, so frames arrive; the synchronizer keeps the parameter's names."""
+    resolves, so frames arrive; /diagnostics names the topics the frames come on."""
     remaps = [f'cam{k}_in:={topic}' for k, topic in enumerate(CAMERAS)]
-    g = graph('camproc_remap', camera_topics=['cam0_in', 'cam1_in'],
+    g = graph(f'camproc_remap_{receiver}', camera_topics=['cam0_in', 'cam1_in'],
+              camera_receiver=receiver,
               cli_args=['--ros-args'] + [arg for rule in remaps for arg in ('-r', rule)])
     assert g.wait_for(lambda: len(g.infos) >= 3)
     assert all(info[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS)) for info in g.infos[1:])
     subscribers = {i.node_name for t in CAMERAS
                    for i in g.peer.get_subscriptions_info_by_topic(t)}
-    assert subscribers == {'camproc_remap_camera_receiver'}
+    node = f'camproc_remap_{receiver}' + ('_camera_receiver' if receiver == 'subprocess' else '')
+    assert subscribers == {node}
+    with g.lock:
+        names = [s.name for a in g.diagnostics for s in a.status]
+    assert all(any(topic in n for n in names) for topic in CAMERAS), names
+    assert not any('cam0_in' in n or 'cam1_in' in n for n in names), names
 
 
 def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph):

@@ -97,20 +97,17 @@ class CameraReceiver:
         node_name: the policy node's name (the child's node is `<node_name>_camera_receiver`).
         namespace: the policy node's namespace.
         cameras: (topic to subscribe, compressed?) per camera, in camera order
-            (`ros.parameters.camera_subscriptions`).
+            (`ros.parameters.camera_subscriptions`), fully qualified as the policy node
+            resolves them (its remap rules, namespace and `~` applied: the child's own node
+            has none of its command line); also the names frames are offered under.
         camera_qos: 'sensor_data' or 'reliable' (the camera_qos parameter).
         capacity: data bytes per camera slot.
-        resolve: topic -> the fully qualified name the child subscribes, e.g. the policy
-            node's `resolve_topic_name` (its remap rules, namespace and `~` applied: the
-            child's own node has none of its command line); None: the topics as given.
     """
 
     def __init__(self, node_name: str, namespace: str, cameras, camera_qos: str,
-                 capacity: int = DEFAULT_CAPACITY, resolve=None) -> None:
+                 capacity: int = DEFAULT_CAPACITY) -> None:
         self.node_name = f'{node_name}_camera_receiver'
         self._namespace, self._cameras = namespace, list(cameras)
-        self._subscribed = [(topic if resolve is None else resolve(topic), compressed)
-                            for topic, compressed in self._cameras]
         self._qos, self._capacity = camera_qos, capacity
         self._slots: FrameSlots | None = None
         self._process = None
@@ -136,7 +133,7 @@ class CameraReceiver:
             self._stop = context.Event()
             self._process = context.Process(
                 target=run_receiver, name=self.node_name, daemon=True,
-                args=(self.node_name, self._namespace, self._subscribed, self._qos,
+                args=(self.node_name, self._namespace, self._cameras, self._qos,
                       self._slots.name, self._capacity, self._stop, os.getpid()))
             self._process.start()
         except BaseException:

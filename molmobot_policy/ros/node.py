@@ -225,10 +225,14 @@ class PolicyNode(LifecycleNode):
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
-        cameras = camera_subscriptions(self._param)
+        subscribed = camera_subscriptions(self._param)
+        # the inputs are named as this node resolves them (remap rules, namespace, ~ applied):
+        # the topics the data comes on, in diagnostics, logs and the receiver's subscriptions
+        cameras = [(self.resolve_topic_name(t), c) for t, c in subscribed]
         self._sync = ObservationSynchronizer(
             [topic for topic, _ in cameras], self._param('joint_names'),
-            joint_state_topic=joint_state_topic, max_future=self._param('max_future_stamp'),
+            joint_state_topic=self.resolve_topic_name(joint_state_topic),
+            max_future=self._param('max_future_stamp'),
             action_joint_names=self._param('action_joint_names'))
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
@@ -242,13 +246,12 @@ class PolicyNode(LifecycleNode):
             f'camera_receiver: {self._receiver_choice}')
         if choice.mode == 'subprocess':
             self._receiver = CameraReceiver(self.get_name(), self.get_namespace(), cameras,
-                                            self._param('camera_qos'),
-                                            resolve=self.resolve_topic_name)
+                                            self._param('camera_qos'))
         else:
-            for topic, compressed in cameras:
+            for (topic, compressed), (name, _) in zip(subscribed, cameras):
                 self._input_subscriptions.append(self.create_subscription(
                     CompressedImage if compressed else Image, topic,
-                    functools.partial(self._on_image, topic), camera_qos))
+                    functools.partial(self._on_image, name), camera_qos))
         # best effort subscriptions also match reliable publishers
         self._input_subscriptions.append(self.create_subscription(
             JointState, joint_state_topic, self._on_joint_state, qos_profile_sensor_data))
