@@ -116,8 +116,9 @@ class RecordingGraph(InProcessGraph):
     """A PolicyNode (engine `engine`, `cameras`, `joint_state_topic` with `joints`; a 0.2 s
     chunk period, 0.05 s control period, diagnostics period 0.2 s and the cameras received
     in process (the rules under test are the synchronizer's, which the receiver process feeds
-    too: test_node_camera_receiver) unless `parameters` say otherwise) and a peer publishing 4x4 frames and the joint state every 0.05 s, spun in
-    one executor thread on their own context; the node is autostarted (`cli_args`: its
+    too: test_node_camera_receiver) unless `parameters` say otherwise) and a peer
+    publishing 4x4 frames and the joint state every 0.05 s, spun in one executor thread on
+    their own context; the node is autostarted (`cli_args`: its
     command line, e.g. remap rules). The peer records ~/chunk_info as dicts (`infos`) and
     every /diagnostics message (`diagnostics`)."""
 

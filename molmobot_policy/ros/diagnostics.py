@@ -250,8 +250,9 @@ LEVEL_CHUNKS = 20   # the schedule's level: jitter p99 of the latest chunks (the
 class ScheduleTask(DiagnosticTask):
     """The schedule: `stats` a `timing.LoopStats`, `gc_pauses` a `timing.GcPauses`,
     `frames_decoded()` -> camera frames decoded so far. Level by the publish jitter p99 of
-    the last LEVEL_CHUNKS chunks, the activation's first chunk left out; WARN naming `stats.last_skip` while ticks are skipped (the
-    loop clears it when a chunk is published)."""
+    the last LEVEL_CHUNKS chunks, the activation's first chunk left out; WARN naming
+    `stats.last_skip` while ticks are skipped (the loop clears it when a chunk is
+    published)."""
 
     def __init__(self, stats, gc_pauses, frames_decoded: Callable[[], int],
                  parameter: Callable[[str], object]) -> None:
