@@ -6,6 +6,7 @@ import torch
 
 from molmobot_policy.model.config import MolmoBotConfig, NormStats
 from molmobot_policy.preprocess.normalize import QuantileNormalizer, normalizers_from_config
+from molmobot_policy.preprocess.images import resize_and_patchify
 from molmobot_policy.preprocess.pipeline import Preprocessor
 from molmobot_policy.preprocess.tokenizer import tiny_tokenizer
 from molmobot_policy.preprocess.transforms import RobotContract, RobotTransforms
@@ -221,6 +222,29 @@ def test_preprocessor_names_the_camera_of_a_bad_image(preprocessor):
     bad = Observation(images=(obs.images[0], obs.images[1][..., 0]), state=obs.state,
                       instruction=obs.instruction)
     with pytest.raises(ValueError, match="camera 'wrist'"):
+        preprocessor(bad)
+
+
+def test_preprocessor_images_of_mixed_sizes_keep_camera_order_and_match_one_by_one():
+    # the frames are grouped by size to be resized together: the result must still be in
+    # camera order and equal to resizing each frame alone
+    names = ['a', 'b', 'c', 'd']
+    p = Preprocessor(TINY, tiny_tokenizer(TINY.tokens), contract(camera_names=names))
+    rng = np.random.default_rng(2)
+    shapes = [(24, 32, 3), (40, 30, 3), (24, 32, 3), (40, 30, 3)]
+    frames = tuple(rng.integers(0, 256, shape, dtype=np.uint8) for shape in shapes)
+    got = p.images(frames)
+    assert got.shape == (1, 4, 729, 588) and got.dtype == torch.uint8
+    for k, frame in enumerate(frames):
+        np.testing.assert_array_equal(got[0, k].numpy(), resize_and_patchify(frame))
+
+
+def test_preprocessor_refuses_a_batch_where_one_camera_frame_belongs(preprocessor):
+    obs = observation()
+    batch = np.stack([obs.images[0], obs.images[0]])
+    bad = Observation(images=(obs.images[0], batch), state=obs.state,
+                      instruction=obs.instruction)
+    with pytest.raises(ValueError, match=r"camera 'wrist'.*\(H, W, 3\)"):
         preprocessor(bad)
 
 

@@ -21,7 +21,7 @@ IMAGE_SIZE = 378     # VitConfig.image_size
 PATCH_SIZE = 14      # VitConfig.patch_size
 
 
-def _as_uint8_nhwc(images: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, bool]:
+def as_uint8_nhwc(images: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Validate and view `images` as a torch uint8 (N, H, W, 3) tensor.
 
     Returns the tensor and whether the input was a single (H, W, 3) image.
@@ -59,7 +59,7 @@ def resize_images(images: np.ndarray | torch.Tensor, image_size: int = IMAGE_SIZ
     Raises:
         TypeError, ValueError: not an array, not uint8, not 3 channels, or empty.
     """
-    tensor, _ = _as_uint8_nhwc(images)
+    tensor, _ = as_uint8_nhwc(images)
     # NCHW float32, contiguous as torchvision's CHW tensor is; bilinear, no antialias.
     x = tensor.permute(0, 3, 1, 2).contiguous().to(torch.float32)
     x = F.interpolate(x, size=(image_size, image_size), mode='bilinear', align_corners=False,
@@ -99,7 +99,7 @@ def resize_and_patchify(images: np.ndarray | torch.Tensor, image_size: int = IMA
     Raises:
         TypeError, ValueError: not an array, not uint8, not 3 channels, or empty.
     """
-    _, single = _as_uint8_nhwc(images)
+    _, single = as_uint8_nhwc(images)
     patches = patchify(resize_images(images, image_size), patch_size)
     if single:
         patches = patches[0]

@@ -17,11 +17,13 @@ import numpy as np
 import torch
 
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.preprocess.images import resize_and_patchify
+from molmobot_policy.preprocess.images import as_uint8_nhwc, resize_and_patchify
 from molmobot_policy.preprocess.prompt import (TEXT_CACHE_SIZE, Encoder, PromptFitter,
                                                TextInputs)
 from molmobot_policy.preprocess.transforms import RobotContract, RobotTransforms
 from molmobot_policy.types import Observation
+
+PINNED_BUFFERS = 4   # pinned upload buffers kept, one per (camera count, frame shape)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Preprocessor:
         self.image_size, self.patch_size = model.vit.image_size, model.vit.patch_size
         self.device = torch.device(device)
         self._text_on_device = functools.lru_cache(maxsize=TEXT_CACHE_SIZE)(self._to_device)
+        self._pinned: dict[tuple[int, ...], tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def text_inputs(self, instruction: str) -> TextInputs:
         """The host-side text inputs of `instruction` (`PromptFitter.text_inputs`, cached).
@@ -97,21 +100,63 @@ class Preprocessor:
         """One uint8 RGB (H, W, 3) frame per camera, any sizes -> uint8 (1, N, num_patches,
         patch_dim) on the device (resized there).
 
+        Frames of one size travel and are resized together: on a CUDA device they are copied
+        into one pinned host buffer and uploaded in one asynchronous copy, then resized as one
+        batch (the same per-pixel arithmetic as one at a time, so the same bits), instead of a
+        pageable copy and a chain of resize kernels per camera, all of it host time before the
+        model starts.
+
         Raises:
             ValueError: not one image per camera; an image that is not uint8 (H, W, 3),
                 naming its camera.
         """
         self.contract.check_camera_count(len(images))
-        out = []
+        frames = []
         for name, image in zip(self.contract.camera_names, images):
             try:
-                frame = image if isinstance(image, torch.Tensor) else torch.from_numpy(
-                    np.ascontiguousarray(image))
-                out.append(resize_and_patchify(frame.to(self.device, non_blocking=True)[None],
-                                               self.image_size, self.patch_size)[0])
+                frame, single = as_uint8_nhwc(image)
+                if not single:
+                    raise ValueError('expected one image of shape (H, W, 3), got shape '
+                                     f'{tuple(frame.shape)}')
             except (TypeError, ValueError) as error:
                 raise ValueError(f'image of camera {name!r}: {error}') from None
-        return torch.stack(out)[None]
+            frames.append(frame[0])
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for index, frame in enumerate(frames):
+            by_shape.setdefault((tuple(frame.shape), frame.device), []).append(index)
+        groups = [(indices, resize_and_patchify(self._upload([frames[i] for i in indices]),
+                                                self.image_size, self.patch_size))
+                  for indices in by_shape.values()]
+        if len(groups) == 1:
+            return groups[0][1][None]
+        out = torch.empty((len(frames), *groups[0][1].shape[1:]), dtype=torch.uint8,
+                          device=self.device)
+        for indices, patches in groups:
+            out[indices] = patches
+        return out[None]
+
+    def _upload(self, frames: list[torch.Tensor]) -> torch.Tensor:
+        """Frames of one shape (H, W, 3) uint8, on one device -> uint8 (n, H, W, 3) on the
+        serving device. From the host to a CUDA device through a pinned buffer kept per
+        shape; the buffer is rewritten only after its last upload has finished (an event)."""
+        if frames[0].device == self.device or self.device.type != 'cuda' \
+                or frames[0].device.type != 'cpu':
+            return torch.stack(frames).to(self.device, non_blocking=True)
+        key = (len(frames), *frames[0].shape)
+        staged = self._pinned.get(key)
+        if staged is None:
+            if len(self._pinned) >= PINNED_BUFFERS:
+                self._pinned.clear()    # camera sizes changed; the next query re-pins
+            with torch.inference_mode(False):    # a normal tensor: rewritable in and out
+                staged = (torch.empty(key, dtype=torch.uint8, pin_memory=True),
+                          torch.cuda.Event())
+            self._pinned[key] = staged
+        buffer, uploaded = staged
+        uploaded.synchronize()          # the previous upload from this buffer is done
+        torch.stack(frames, out=buffer)
+        batch = buffer.to(self.device, non_blocking=True)
+        uploaded.record()
+        return batch
 
     def inputs(self, text: TextInputs, images: tuple[np.ndarray, ...],
                state: np.ndarray) -> ModelInputs:
