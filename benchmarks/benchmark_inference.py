@@ -89,12 +89,16 @@ def run_rung(name: str, model, config: dict, obs: Observation, noise: np.ndarray
         gen = common.time_calls(generate, model_iters, cuda)
         paced = common.time_calls(generate, model_iters, cuda, period_ms) if period_ms > 0 \
             else None
-    query = common.time_calls(lambda: engine.predict(obs), model_iters, cuda)
+    parts = []      # predict's own split of each full query: preprocess, model, postprocess
+    query = common.time_calls(lambda: parts.append(engine.predict(obs).timings_ms),
+                              model_iters, cuda)
     row = {'rung': name, 'config': {k: (list(v) if isinstance(v, tuple) else v)
                                     for k, v in config.items()},
            'fp8': engine.mode['fp8'], 'bucket': text.bucket, 'prompt_tokens': text.length,
            'warmup_s': warm_s, 'generate_actions_ms': common.summary(gen, samples=True),
            'full_query_ms': common.summary(query, samples=True),
+           'full_query_parts_ms': {k: common.summary([p[k] for p in parts], samples=True)
+                                   for k in parts[0]},
            'actions_normalized': reference.tolist()}
     if paced:
         row['generate_actions_paced_ms'] = dict(common.summary(paced, samples=True),
@@ -236,6 +240,9 @@ def main() -> None:
         g, q = row['generate_actions_ms'], row['full_query_ms']
         print(f'  {name}: generate_actions p50 {g["p50"]:.2f} ms p99 {g["p99"]:.2f}; '
               f'full query p50 {q["p50"]:.2f} ms; warm-up {row["warmup_s"]:.1f} s', flush=True)
+        print('  ' + name + ': full query p50 / p99 / max ms: ' + '; '.join(
+            f"{k} {v['p50']:.2f} / {v['p99']:.2f} / {v['max']:.2f}"
+            for k, v in row['full_query_parts_ms'].items()), flush=True)
         if 'generate_actions_paced_ms' in row:
             p = row['generate_actions_paced_ms']
             print(f'  {name}: generate_actions started every {args.period_ms:g} ms: p50 '

@@ -103,8 +103,8 @@ class Preprocessor:
         Frames of one size travel and are resized together: on a CUDA device they are copied
         into one pinned host buffer and uploaded in one asynchronous copy, then resized as one
         batch (the same per-pixel arithmetic as one at a time, so the same bits), instead of a
-        pageable copy and a chain of resize kernels per camera, all of it host time before the
-        model starts.
+        pageable copy and a chain of resize kernels per camera: host time before the model
+        starts (docs/decisions/query-host-path.md).
 
         Raises:
             ValueError: not one image per camera; an image that is not uint8 (H, W, 3),
@@ -153,7 +153,11 @@ class Preprocessor:
             self._pinned[key] = staged
         buffer, uploaded = staged
         uploaded.synchronize()          # the previous upload from this buffer is done
-        torch.stack(frames, out=buffer)
+        view = buffer.numpy()
+        for j, frame in enumerate(frames):
+            # numpy's copy, on this thread: torch's CPU copy runs on the intra-op thread
+            # pool, whose wake-ups now and then held a query back by a whole inference
+            np.copyto(view[j], frame.numpy())
         batch = buffer.to(self.device, non_blocking=True)
         uploaded.record()
         return batch
