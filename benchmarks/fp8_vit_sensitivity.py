@@ -8,6 +8,8 @@ GPU) with e4m3 *fake quantization* (quantize, then dequantize, with the scales o
 the parameter dtype, so only the rounding of fp8 is measured) applied to one set of
 Linears at a time:
 
+- `llm`: the LLM's Linears (what `quantize: fp8` serves): the calibration row, to read
+  against that rung's deviation in docs/PERFORMANCE.md;
 - `all`: every Linear of every ViT block (attention wq, wk, wv, wo; MLP w1, w2);
 - `kind:<name>`: one kind in every block (`qkv`, `wo`, `w1`, `w2`);
 - `block:<i>`: every Linear of block i;
@@ -21,6 +23,7 @@ help outlier channels). Random weights unless `--checkpoint`: their activations 
 trained model's outliers, so read the ranking with that in mind.
 
     python3 benchmarks/fp8_vit_sensitivity.py --out $OUT/fp8_vit.json            (H200)
+    python3 benchmarks/fp8_vit_sensitivity.py --weight-group 128 --only llm,all,kind: ...
     .venv/bin/python benchmarks/fp8_vit_sensitivity.py --preset tiny --device cpu --blocks 2
 """
 from __future__ import annotations
@@ -39,13 +42,30 @@ KINDS = {'qkv': ('attention.wq', 'attention.wk', 'attention.wv'), 'wo': ('attent
          'w1': ('feed_forward.w1',), 'w2': ('feed_forward.w2',)}
 
 
-def fake_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x quantized to e4m3 with one scale per row (last dim), then back to x's dtype (the
-    scaling of `model.fp8`: amax / 448, amax clamped to >= 1e-12)."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+def fake_e4m3(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """x quantized to e4m3 with one scale per row (last dim), or per `group` consecutive
+    elements of a row when group > 0 (the 1 x 128 blocks of block-scaled fp8 GEMMs; a short
+    last group where it does not divide the row), then back to x's dtype (the scaling of `model.fp8`: amax / 448,
+    amax clamped to >= 1e-12)."""
+    shape = x.shape
+    xf = x.float()
+    if group:
+        pad = -shape[-1] % group             # a short last group (the ViT's 4304-wide w2)
+        xf = torch.nn.functional.pad(xf, (0, pad)).reshape(*shape[:-1], -1, group)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
     scale = amax / E4M3_MAX
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    q = ((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale)
+    if group:
+        q = q.flatten(-2)[..., :shape[-1]]
+    return q.reshape(shape).to(x.dtype)
+
+
+def llm_linears(model):
+    """(block index, 'llm', nn.Linear) of the LLM blocks: what `quantize: fp8` quantizes, the
+    calibration row (its real-kernel deviation is in docs/PERFORMANCE.md)."""
+    for i, block in enumerate(model.transformer.blocks):
+        for name in ('att_proj', 'attn_out', 'ff_proj', 'ff_out'):
+            yield i, 'llm', getattr(block, name)
 
 
 def linears(model, kinds=tuple(KINDS), blocks=None):
@@ -60,14 +80,15 @@ def linears(model, kinds=tuple(KINDS), blocks=None):
 
 
 @contextlib.contextmanager
-def quantized(layers, weights: bool = True, activations: bool = True):
-    """The Linears in `layers` with fake-e4m3 weights and / or inputs while inside."""
+def quantized(layers, weights: bool = True, activations: bool = True, weight_group: int = 0):
+    """The Linears in `layers` with fake-e4m3 weights (scales per row, or per `weight_group`
+    inputs of a row) and / or inputs (per token) while inside."""
     saved, hooks = [], []
     with torch.no_grad():
         for _, _, lin in layers:
             if weights:
                 saved.append((lin, lin.weight.detach().clone()))
-                lin.weight.copy_(fake_e4m3(lin.weight))
+                lin.weight.copy_(fake_e4m3(lin.weight, weight_group))
             if activations:
                 hooks.append(lin.register_forward_pre_hook(
                     lambda _m, args: (fake_e4m3(args[0]),) + tuple(args[1:])))
@@ -122,6 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument('--inputs', type=int, default=3, help='observations (seeds 1..N)')
     ap.add_argument('--blocks', type=int, default=None,
                     help='only the first N blocks get a block:<i> row (default all)')
+    ap.add_argument('--weight-group', type=int, default=0,
+                    help='one weight scale per this many inputs of a row (0: per row)')
+    ap.add_argument('--only', default='',
+                    help='comma list of variant name prefixes to run (default all), e.g. '
+                         'all,kind:,llm')
     ap.add_argument('--out', default=None)
     args = ap.parse_args(argv)
     from molmobot_policy.model.checkpoint import load_checkpoint, random_model
@@ -158,7 +184,8 @@ def main(argv=None) -> int:
     reference = actions()
     seconds = time.perf_counter() - t0
     n_blocks = len(model.vision_backbone.image_vit.transformer.resblocks)
-    variants = [('all', dict(layers=list(linears(model))))]
+    variants = [('llm', dict(layers=list(llm_linears(model)))),
+                ('all', dict(layers=list(linears(model))))]
     for kind in KINDS:
         variants.append((f'kind:{kind}', dict(layers=list(linears(model, (kind,))))))
     for kind in KINDS:
@@ -168,12 +195,16 @@ def main(argv=None) -> int:
                                   weights=side == 'weights', activations=side == 'activations')))
     for i in range(n_blocks if args.blocks is None else min(args.blocks, n_blocks)):
         variants.append((f'block:{i}', dict(layers=list(linears(model, blocks={i})))))
+    if args.only:
+        prefixes = tuple(args.only.split(','))
+        variants = [v for v in variants if v[0].startswith(prefixes)]
     print(f'{args.preset} on {args.device} ({dtype}), {args.inputs} inputs, {len(variants)} '
-          f'variants, ~{seconds:.1f} s each', flush=True)
+          f'variants, ~{seconds:.1f} s each; weight scales per '
+          f"{args.weight_group or 'row'}", flush=True)
     rows = []
     for label, spec in variants:
         layers = spec.pop('layers')
-        with quantized(layers, **spec):
+        with quantized(layers, **spec, weight_group=args.weight_group):
             got = actions()
         diffs = [(g - r).abs() / 2.0 * 100 for g, r in zip(got, reference)]
         rows.append({'variant': label, 'linears': len({id(x[2]) for x in layers}),
@@ -190,6 +221,7 @@ def main(argv=None) -> int:
         common.write_json(args.out, {**common.provenance(), 'preset': args.preset,
                                      'checkpoint': args.checkpoint or None,
                                      'dtype': str(dtype), 'inputs': args.inputs,
+                                     'weight_group': args.weight_group,
                                      'rows': rows, 'activations': shapes})
     return 0
 

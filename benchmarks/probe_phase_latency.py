@@ -14,7 +14,9 @@ weights (more than L2 holds), in three modes:
   memory (cp.async) and multiply;
 - `before`: the weight tile of the phase copied (cp.async, its own group) right after the
   block arrives at the barrier before it, then the wait, then the input;
-- `barrier`: the grid barriers alone.
+- `barrier`: the grid barriers alone;
+- `compute`: the barriers and the MMAs with their epilogue, nothing loaded after phase 0
+  (`before` minus this: the activation's round trip through L2).
 
 Per phase us = kernel time / phases (median of `--iters` launches, CUDA events). The
 chain's output is checked against torch (bf16 per phase). CUDA only; the extension is built
@@ -106,7 +108,7 @@ __device__ __forceinline__ void copy_tile(__nv_bfloat16 *dst, const __nv_bfloat1
     }
 }
 
-// mode 0: after, 1: before, 2: barriers only
+// mode 0: after, 1: before, 2: barriers only, 3: compute only (no loads after phase 0)
 __global__ void phase_chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *act,
                             unsigned *counter, int phases, int D, int mode) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -136,6 +138,15 @@ __global__ void phase_chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *
             cp_async_commit();
             cp_async_wait_all();                       // this phase's weights and input
             __syncthreads();
+            mma_tile(xs, ws, red, y, n0, D);
+        } else if (mode == 3) {                        // loads once, then compute only
+            if (p == 0) {
+                copy_tile(ws, wp, COLS, D, D);
+                copy_tile(xs, x, ROWS, D, D);
+                cp_async_commit();
+                cp_async_wait_all();
+                __syncthreads();
+            }
             mma_tile(xs, ws, red, y, n0, D);
         }
         arrive(counter);
@@ -175,7 +186,7 @@ void run(torch::Tensor w, torch::Tensor act, torch::Tensor counter, int64_t phas
 }
 '''
 
-MODES = {'after': 0, 'before': 1, 'barrier': 2}
+MODES = {'after': 0, 'before': 1, 'barrier': 2, 'compute': 3}
 
 
 def main(argv=None) -> int:
@@ -232,7 +243,7 @@ def main(argv=None) -> int:
           f'{torch.cuda.get_device_name()}')
     print(f"{'mode':10s} {'ms':>8s} {'us/phase':>9s} {'GB/s':>8s} {'rel err':>9s}")
     for r in rows:
-        gbs = bytes_per_phase / (r['us_per_phase'] * 1e-6) / 1e9 if r['mode'] != 'barrier' else 0
+        gbs = bytes_per_phase / (r['us_per_phase'] * 1e-6) / 1e9 if r['mode'] in ('after', 'before') else 0
         err = '' if r['rel_err'] is None else f"{r['rel_err']:.2e}"
         print(f"{r['mode']:10s} {r['ms']:8.3f} {r['us_per_phase']:9.2f} {gbs:8.0f} {err:>9s}")
     if args.out:
