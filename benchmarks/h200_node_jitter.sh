@@ -21,6 +21,9 @@
 # frames, 60 s unless DURATION is set: checks the script's logic on a CI box),
 # --image-transport (first run benchmarks/benchmark_image_transport.py with the same camera
 # load, without and with DDS_PROFILE: receive ratio and image age, no model);
+# --alone (first time the same engine alone on this machine, `benchmark_inference.py`, 150
+# calls back to back and paced at CHUNK_PERIOD, ~1 min; at the end, the node's inference
+# against it: issue 19's p50 <= alone + 1 ms, p99 <= alone p99 + 2 ms);
 # anything else is passed on to the benchmark (later flags override the defaults below), e.g.
 # --camera-transport compressed (default raw): the cameras publish the same frames as jpeg
 # sensor_msgs/CompressedImage on <topic>/compressed (--jpeg-quality, default 95) and the node
@@ -53,6 +56,7 @@ SKIP_WHEEL_INSTALL=0
 TINY_CPU=0
 CHECK_ONLY=0
 IMAGE_TRANSPORT=0
+ALONE=0
 PASS_ON=()
 for arg in "$@"; do
   case "$arg" in
@@ -60,6 +64,7 @@ for arg in "$@"; do
     --tiny-cpu) TINY_CPU=1 ;;
     --check-only) CHECK_ONLY=1 ;;
     --image-transport) IMAGE_TRANSPORT=1 ;;
+    --alone) ALONE=1 ;;
     *) PASS_ON+=("$arg") ;;
   esac
 done
@@ -146,6 +151,15 @@ if [[ $IMAGE_TRANSPORT == 1 ]]; then
     --out "$OUT/image_transport.json" 2>&1 | tee "$OUT/image_transport.txt"
 fi
 
+# ---- optional: the same engine alone on this machine first (issue 19's "as fast as alone")
+if [[ $ALONE == 1 && $TINY_CPU == 0 ]]; then
+  RUNGS=+fused_ae
+  if [[ $QUANTIZE != none ]]; then RUNGS=+fused_ae,+fp8; fi
+  PERIOD_MS=$("$PY" -c "print(float('$CHUNK_PERIOD') * 1e3)")
+  "$PY" benchmarks/benchmark_inference.py --rungs "$RUNGS" --iters 150 --period-ms "$PERIOD_MS" \
+    --out "$OUT/inference_alone.json" 2>&1 | grep -v 'warm-up' | tee "$OUT/inference_alone.txt"
+fi
+
 # ---- the benchmark
 if [[ $TINY_CPU == 1 ]]; then
   MODEL_ARGS=(--model tiny --device cpu --dtype float32 --buckets none
@@ -160,4 +174,21 @@ fi
   --dds-profile "$DDS_PROFILE" --workdir "$OUT/node_jitter" --out "$OUT/node_jitter.json" \
   ${PASS_ON[@]+"${PASS_ON[@]}"} \
   2>&1 | tee "$OUT/node_jitter.txt"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+if [[ $ALONE == 1 && -f $OUT/inference_alone.json && -f $OUT/node_jitter.json ]]; then
+  "$PY" - "$OUT/inference_alone.json" "$OUT/node_jitter.json" <<'EOF' | tee -a "$OUT/node_jitter.txt"
+import json, sys
+alone = json.load(open(sys.argv[1]))['rows'][-1]
+node = json.load(open(sys.argv[2]))['results']['inference_ms']
+for label, key in (('generate_actions back to back', 'generate_actions_ms'),
+                   ('generate_actions paced', 'generate_actions_paced_ms'),
+                   ('full query', 'full_query_ms')):
+    a = alone[key]
+    ok50, ok99 = node['p50'] <= a['p50'] + 1, node['p99'] <= a['p99'] + 2
+    print(f"inference in the node {node['p50']:.2f} / {node['p99']:.2f} ms against {label} "
+          f"alone {a['p50']:.2f} / {a['p99']:.2f}: p50 {node['p50'] - a['p50']:+.2f} "
+          f"({'PASS' if ok50 else 'FAIL'} <= +1), p99 {node['p99'] - a['p99']:+.2f} "
+          f"({'PASS' if ok99 else 'FAIL'} <= +2)")
+EOF
+fi
+exit "$status"
