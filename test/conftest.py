@@ -31,14 +31,14 @@ class _NoAliasDumper(yaml.SafeDumper):
 
 
 class NodeProcess:
-    """The policy node as a separate process (`python -m molmobot_policy.ros.node
+    """The policy node as a separate process (`python <launcher: -m molmobot_policy.ros.node>
     --ros-args <ros_args> --params-file <yaml>`), its stdout+stderr captured to a log file;
     the file's one section is `section` (e.g. '/robot1/molmobot_policy' with
     ros_args=['-r', '__ns:=/robot1'])."""
 
     def __init__(self, parameters: dict, directory: Path, name: str,
                  sigint_ignored: bool = False, section: str = 'molmobot_policy',
-                 ros_args=()) -> None:
+                 ros_args=(), launcher=('-m', 'molmobot_policy.ros.node')) -> None:
         self.params_file = directory / f'{name}.yaml'
         self.params_file.write_text(yaml.dump(      # rcl's parser rejects YAML aliases
             {section: {'ros__parameters': parameters}}, Dumper=_NoAliasDumper))
@@ -46,7 +46,7 @@ class NodeProcess:
         env = dict(os.environ, PYTHONUNBUFFERED='1', RCUTILS_LOGGING_BUFFERED_STREAM='0')
         with open(self.log_file, 'wb') as log:
             self.process = subprocess.Popen(
-                [sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args', *ros_args,
+                [sys.executable, *launcher, '--ros-args', *ros_args,
                  '--params-file', str(self.params_file)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                 # as a shell script's background job starts it: Python then raises no

@@ -41,6 +41,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
 from molmobot_policy.ros.report import print_log
+from molmobot_policy.timing.stats import freeze_for_exit
 
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
                             # GIL-holding callback thread delays the worker's wake-up
@@ -225,7 +226,9 @@ def wants_help(argv) -> bool:
 
 def main(args=None) -> int:
     """Console entry point: run the node until Ctrl-C. Returns the exit status (see the
-    module docstring); prints USAGE for -h / --help."""
+    module docstring); prints USAGE for -h / --help. Once the node has started, the process
+    is meant to exit when this returns: the garbage collector is left stopped and the heap
+    frozen (`timing.stats.freeze_for_exit`)."""
     if wants_help(sys.argv if args is None else args):
         print(USAGE)
         return EXIT_OK
@@ -261,6 +264,7 @@ def main(args=None) -> int:
     finally:
         rclpy.try_shutdown()
         sigint.uninstall()
+        freeze_for_exit()       # the process exits next: no collections over the heap
 
 
 def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
@@ -306,7 +310,7 @@ def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
             node.get_logger().info(message)
         else:           # after Ctrl-C the context is gone: /rosout cannot take it
             print_log(node.get_name(), 'INFO', message)
-        node.destroy_node()
+        node.destroy_node(exiting=True)
     return EXIT_OK
 
 

@@ -322,14 +322,15 @@ class PolicyNode(LifecycleNode):
         self._close_engine()
         return TransitionCallbackReturn.SUCCESS
 
-    def destroy_node(self) -> None:
-        """Stops the worker and releases the engine, then destroys the node."""
+    def destroy_node(self, exiting: bool = False) -> None:
+        """Stops the worker and releases the engine, then destroys the node. `exiting`: the
+        process exits next (`ros.main`), so the released heap is not collected first."""
         try:
             self._stop_loop()
             self._stop_receiver()
         finally:
             self._idle.stop()
-            self._close_engine()
+            self._close_engine(collect=not exiting)
             super().destroy_node()
 
     def _stop_loop(self) -> None:
@@ -344,7 +345,7 @@ class PolicyNode(LifecycleNode):
             finally:
                 self._receiver = None
 
-    def _close_engine(self) -> None:
+    def _close_engine(self, collect: bool = True) -> None:
         if self.engine is not None:
             try:
                 self.engine.close()
@@ -352,7 +353,7 @@ class PolicyNode(LifecycleNode):
                 self.engine = None
                 if self._froze_heap:        # let the collector free the engine's cycles
                     self._froze_heap = False
-                    unfreeze_heap()
+                    unfreeze_heap(collect)
 
     # -------------------------------------------------------------- callbacks: store only
     def _now(self) -> float:

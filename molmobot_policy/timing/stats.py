@@ -202,10 +202,22 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
-def unfreeze_heap() -> None:
-    """Undo `freeze_heap` and collect, so the collector frees the released heap's cycles."""
+def unfreeze_heap(collect: bool = True) -> None:
+    """Undo `freeze_heap` and (`collect`) collect, so the collector frees the released heap's
+    cycles; a process about to exit skips the collection (`freeze_for_exit`)."""
     gc.unfreeze()
-    gc.collect()
+    if collect:
+        gc.collect()
+
+
+def freeze_for_exit() -> None:
+    """For a process about to exit: stop the collector and move the whole heap out of its
+    reach (`gc.freeze`), so that the interpreter's own collections at shutdown, each a pass
+    over every tracked object (with a model loaded, most of the time between Ctrl-C and the
+    exit), find nothing to traverse. The memory goes back with the process; the cleanup that
+    matters (publishers, the camera receiver's shared memory) is explicit and done before."""
+    gc.disable()
+    gc.freeze()
 
 
 SCHEDSTAT_PATH = '/proc/thread-self/schedstat'
