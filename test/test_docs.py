@@ -137,3 +137,13 @@ def test_no_tracked_text_file_holds_merge_conflict_markers():
             continue
         found += [f'{name}:{text.count(chr(10), 0, m.start()) + 1}' for m in marker.finditer(text)]
     assert not found, f'merge-conflict markers at {found}'
+
+
+def test_robot_md_explains_every_chunk_info_key():
+    from molmobot_policy.ros.messages import ChunkInfo
+    robot = (REPO / 'docs' / 'ROBOT.md').read_text()
+    start = robot.index('## What each chunk reports')
+    section = robot[start:robot.index('\n## ', start + 1)]
+    keys = [v for k, v in vars(ChunkInfo).items() if k.isupper() and isinstance(v, str)]
+    missing = [key for key in keys if f'`{key}`' not in section]
+    assert keys and not missing, f'ROBOT.md "What each chunk reports" lacks {missing}'

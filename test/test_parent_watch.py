@@ -29,12 +29,15 @@ def test_the_watch_fires_once_when_the_parent_pid_changes():
         watch.stop()
 
 
-def _orphan(tmp_path, stop_with_parent: bool) -> tuple[int, Path]:
+def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False) -> tuple[int, Path]:
     """Start the node (autostart off: no engine) from a parent that exits at once without
-    stopping it; returns the node's pid and its log."""
+    stopping it (`nohup`: with SIGHUP ignored, as nohup starts it); returns the node's pid
+    and its log."""
     log = tmp_path / 'node.log'
     script = textwrap.dedent(f'''
-        import subprocess, sys
+        import signal, subprocess, sys
+        if {nohup!r}:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)     # inherited by the node
         log = open({str(log)!r}, 'w')
         node = subprocess.Popen([sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
                                  '-p', 'autostart:=false',
@@ -101,6 +104,20 @@ def test_stop_with_parent_false_keeps_an_orphaned_node_running(tmp_path):
         assert _wait_log(log, 'autostart is off', 30.0), log.read_text()
         time.sleep(0.5)     # five watch periods after the parent is gone
         assert not _wait_exit(pid, 0.0), log.read_text()
+    finally:
+        os.kill(pid, signal.SIGINT)
+        _wait_exit(pid, 10.0)
+
+
+def test_a_node_started_under_nohup_outlives_its_parent_and_says_why(tmp_path):
+    # a fresh-user trial started the node with `nohup ... &` from a script: it stopped when
+    # the script ended
+    pid, log = _orphan(tmp_path, stop_with_parent=True, nohup=True)
+    try:
+        assert _wait_log(log, 'autostart is off', 30.0), log.read_text()
+        time.sleep(0.5)     # five watch periods after the parent is gone
+        assert not _wait_exit(pid, 0.0), log.read_text()
+        assert 'started with SIGHUP ignored (nohup)' in log.read_text()
     finally:
         os.kill(pid, signal.SIGINT)
         _wait_exit(pid, 10.0)

@@ -310,6 +310,24 @@ def test_stats_name_an_undecodable_camera_until_a_good_frame_decodes():
     assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
 
 
+def test_a_camera_problem_clears_when_a_frame_unlike_the_refused_one_arrives():
+    # a fresh-user trial fixed the camera's encoding while a joint was missing: the ticks
+    # skipped for the joint before decoding the camera, and its status kept naming the old
+    # encoding for as long as the joint was missing
+    sync = _with_undecodable_frame(CAMERAS[1])
+    sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert "'yuv422'" in sync.stats(now=10.1)[CAMERAS[1]].problem
+    again = _image(3)
+    again.encoding = 'yuv422'                         # the same fault again: still named
+    sync.add_image(CAMERAS[1], again, 10.15, 10.15)
+    assert "'yuv422'" in sync.stats(now=10.15)[CAMERAS[1]].problem
+    sync.add_image(CAMERAS[1], _image(2), 10.2, 10.2)    # fixed, not yet decoded
+    assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
+    sync.add_joint_state(['joint_a'], [float('nan')], 10.2, 10.2)
+    assert isinstance(sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0), Skip)
+    assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
+
+
 def test_a_refused_joint_state_is_named_in_stats_and_in_the_skip():
     sync = _sync()
     for topic in CAMERAS:

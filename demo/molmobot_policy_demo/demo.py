@@ -229,9 +229,9 @@ class Monitor:
             count = len(self.inference_ms)
         print(f'chunk {count:3d}: observation age '
               f'{float(values[key.OBSERVATION_AGE_MS]):6.0f} ms, inference {inference:6.0f} ms, '
-              f'jitter {jitter:6.2f} ms, {values[key.POINTS]} points '
-              f'({values.get(key.DROPPED, "?")} in the past at publish, dropped), first action '
-              f'{values[key.FIRST_ACTION]}', flush=True)
+              f'jitter {jitter:6.2f} ms, {values[key.POINTS]} points published '
+              f'(+{values.get(key.DROPPED, "?")} actions already in the past at publish, '
+              f'dropped), first action {values[key.FIRST_ACTION]}', flush=True)
 
     def _on_diagnostics(self, msg) -> None:
         with self.lock:

@@ -18,7 +18,9 @@ Parent exit (`stop_with_parent`, default true): `ros2 launch` answers SIGTERM (w
 and `docker stop` send) by exiting without stopping the processes it started, which would
 leave this node commanding the arm unsupervised. `ParentWatch` checks every PARENT_CHECK_S
 whether the process that started the node is gone (the node was re-parented) and then stops
-it as Ctrl-C does.
+it as Ctrl-C does. Not when the process was started with SIGHUP ignored (`nohup`): that
+asks for a process that outlives its parent's session (a script's `nohup ... &`), and the
+node says so in its log (NOHUP_NOTE).
 
 Exit status: 0 after a clean stop, 1 when the node cannot start (bad environment, parameter
 or parameter file, configure failed), 130 after a second Ctrl-C.
@@ -97,6 +99,11 @@ class GracefulSigint:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+
+NOHUP_NOTE = ('stop_with_parent: not watching the process that started this node: it was '
+              'started with SIGHUP ignored (nohup), which asks to outlive it; stop the node '
+              'with SIGINT (Ctrl-C) or SIGTERM')
 
 
 class ParentWatch:
@@ -234,6 +241,7 @@ def main(args=None) -> int:
         return EXIT_OK
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     parent = os.getppid()
+    nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN     # as nohup starts a process
     problem = ros_domain_id_problem(os.environ)
     if problem:
         print_log(NODE_NAME, 'FATAL', problem)
@@ -251,8 +259,12 @@ def main(args=None) -> int:
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE
-        watch = ParentWatch(node.get_name()).start(parent) \
-            if node.get_parameter('stop_with_parent').value else None
+        watch = None
+        if node.get_parameter('stop_with_parent').value:
+            if nohup:
+                node.get_logger().info(NOHUP_NOTE)
+            else:
+                watch = ParentWatch(node.get_name()).start(parent)
         try:
             with package_logs_to(node):
                 return _serve(node, sigint)

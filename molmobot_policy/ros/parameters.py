@@ -62,7 +62,8 @@ PARAMETERS = {
     'autostart': (True, descriptor('run configure + activate at start-up', _B)),
     'stop_with_parent': (True, descriptor(
         'stop (as on Ctrl-C) once the process that started the node exits: `ros2 launch` '
-        'stopped with SIGTERM exits without stopping its children', _B)),
+        'stopped with SIGTERM exits without stopping its children; not when started with '
+        'SIGHUP ignored (`nohup`)', _B)),
     'camera_topics': (DEFAULT_CAMERAS, descriptor(
         'sensor_msgs/Image topics in model image order (camera k -> "Image k+1"); at most the '
         "model's max_images", _SA)),

@@ -100,6 +100,19 @@ class TopicStats:
     joint_ages: dict[str, float] | None = None
 
 
+def frame_layout(msg) -> tuple:
+    """What decoding an image message depends on besides its pixel values: encoding, height,
+    width, step and byte count (sensor_msgs/Image, `frame_slots.RawFrame`), or the format
+    (CompressedImage, `frame_slots.CompressedFrame`; its byte count varies frame to frame)."""
+    if hasattr(msg, 'format'):
+        return ('compressed', msg.format)
+    try:
+        size = len(msg.data)
+    except ValueError:          # a frame that did not fit its shared-memory slot
+        size = -1
+    return (msg.encoding, msg.height, msg.width, msg.step, size)
+
+
 class ObservationSynchronizer:
     """Keeps the newest camera frames and joint positions; builds observations on demand.
 
@@ -163,6 +176,8 @@ class ObservationSynchronizer:
         self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
         self._refused: dict[str, str] = {}         # per input, why its last message was not stored
         self._problem_since: dict[str, float] = {}  # per input, when its problem began
+        self._refused_layout: dict[str, tuple] = {}  # per camera, `frame_layout` of the frame
+                                                     # that failed to decode
         self._seq = 0
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
 
@@ -201,6 +216,12 @@ class ObservationSynchronizer:
             if current is not None and stamp < current.stamp:
                 return False
             self._frames[topic] = _Frame(msg, float(stamp), float(received))
+            layout = self._refused_layout.get(topic)
+            if layout is not None and layout != frame_layout(msg):
+                # a frame unlike the one that failed: its decode problem is no longer news
+                # (it is decoded, and judged, only when a tick uses it)
+                del self._refused_layout[topic]
+                self._note_problem(self._problems, topic, '', received)
             return True
 
     def add_joint_state(self, names: Sequence[str], positions: Sequence[float], stamp: float,
@@ -447,6 +468,10 @@ class ObservationSynchronizer:
                 with self._lock:
                     self._note_problem(self._problems, topic,
                                        f'newest frame refused: {error}' if error else '', now)
+                    if error:
+                        self._refused_layout[topic] = frame_layout(frame.msg)
+                    else:
+                        self._refused_layout.pop(topic, None)
                 if error is not None:
                     reasons.append(str(error))
                     topics.append(topic)
