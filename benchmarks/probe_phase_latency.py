@@ -134,29 +134,18 @@ __global__ void phase_chain(const __nv_bfloat16 *__restrict__ w, __nv_bfloat16 *
         const __nv_bfloat16 *x = act + (size_t)(p % 2) * ROWS * D;
         __nv_bfloat16 *y = act + (size_t)((p + 1) % 2) * ROWS * D;
         if (p > 0) wait_for(counter, p * n_blocks);    // phase p - 1 written by every block
-        if (mode == 0) {
-            copy_tile(ws, wp, COLS, D, D);
-            copy_tile(xs, x, ROWS, D, D);
-            cp_async_commit();
-            cp_async_wait_all();
-            __syncthreads();
-            mma_tile(xs, ws, red, y, n0, D);
-        } else if (mode == 1) {
+        // after: both now; before: the input now (its weights are in flight); compute:
+        // both once, at phase 0
+        const bool load_weights = mode == 0 || (mode == 3 && p == 0);
+        const bool load_input = mode == 0 || mode == 1 || (mode == 3 && p == 0);
+        if (load_weights) copy_tile(ws, wp, COLS, D, D);
+        if (load_input) {
             copy_tile(xs, x, ROWS, D, D);
             cp_async_commit();
             cp_async_wait_all();                       // this phase's weights and input
             __syncthreads();
-            mma_tile(xs, ws, red, y, n0, D);
-        } else if (mode == 3) {                        // loads once, then compute only
-            if (p == 0) {
-                copy_tile(ws, wp, COLS, D, D);
-                copy_tile(xs, x, ROWS, D, D);
-                cp_async_commit();
-                cp_async_wait_all();
-                __syncthreads();
-            }
-            mma_tile(xs, ws, red, y, n0, D);
         }
+        if (mode != 2) mma_tile(xs, ws, red, y, n0, D);
         arrive(counter);
         if (mode == 1 && p + 1 < phases) {             // the next phase's weights, now
             __syncthreads();                           // everyone is done reading ws

@@ -139,8 +139,7 @@ class Preprocessor:
         """Frames of one shape (H, W, 3) uint8, on one device -> uint8 (n, H, W, 3) on the
         serving device. From the host to a CUDA device through a pinned buffer kept per
         shape; the buffer is rewritten only after its last upload has finished (an event)."""
-        if frames[0].device == self.device or self.device.type != 'cuda' \
-                or frames[0].device.type != 'cpu':
+        if self.device.type != 'cuda' or frames[0].device.type != 'cpu':
             return torch.stack(frames).to(self.device, non_blocking=True)
         key = (len(frames), *frames[0].shape)
         staged = self._pinned.get(key)
