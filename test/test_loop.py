@@ -8,12 +8,13 @@ deadline misses, waiting for sim time to start, and a restart after a clock jump
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
 
 from molmobot_policy.timing import ChunkStitcher, LoopEvents, PolicyLoop, Wait
-from molmobot_policy.timing.loop import BUSY_WAIT_S, POLL_S
+from molmobot_policy.timing.loop import BUSY_WAIT_S, POLL_S, STALL_TRACE_S
 from molmobot_policy.types import ActionChunk, Observation
 
 TICK = 1e-5             # every clock read advances the fake clock this much (s)
@@ -179,12 +180,51 @@ def test_without_a_timed_wait_nothing_is_measured():
     assert event.timeouts == []
 
 
+class StallingClock(FakeClock):
+    """A FakeClock whose first read past `at` (s) jumps `stall` s ahead: the GIL held by
+    another thread while the worker polls for its deadline."""
+
+    def __init__(self, at: float, stall: float) -> None:
+        super().__init__()
+        self.at, self.stall = self.t + at, stall
+
+    def __call__(self) -> float:
+        if self.stall and self.t >= self.at:
+            self.t, self.stall = self.t + self.stall, 0.0
+        return super().__call__()
+
+
+def test_a_stalled_deadline_poll_is_measured_and_names_the_other_threads():
+    """A 3 ms gap between two clock reads of the polling tail is the tail's stall, and the
+    other threads' places at its end are named (here one waiting on an event)."""
+    clock = StallingClock(at=0.03 - 0.5 * BUSY_WAIT_S, stall=0.003)
+    loop = make_loop(clock, FakeEvent(clock), debug_timing=True)
+    release = threading.Event()
+    holder = threading.Thread(target=release.wait, name='holder', daemon=True)
+    holder.start()
+    try:
+        assert loop.wait_until(clock.t + 0.03) is Wait.REACHED
+    finally:
+        release.set()
+        holder.join()
+    assert loop.tail_stall == pytest.approx(0.003, abs=5 * TICK)
+    assert 'holder: wait threading.py' in loop.stalled_threads
+
+
+def test_a_smooth_deadline_poll_names_no_threads():
+    clock = FakeClock()
+    loop = make_loop(clock, FakeEvent(clock), debug_timing=True)
+    assert loop.wait_until(clock() + 0.03) is Wait.REACHED
+    assert 0.0 < loop.tail_stall < STALL_TRACE_S
+    assert loop.stalled_threads == ''
+
+
 def test_without_debug_timing_the_waits_measure_nothing():
     clock = FakeClock()
     loop = make_loop(clock, FakeEvent(clock, late=0.02),
                      runqueue_wait=lambda: pytest.fail('schedstat read without debug_timing'))
     assert loop.wait_until(clock() + 0.03) is Wait.REACHED
-    assert (loop.wake_late, loop.runqueue_mark) == (None, None)
+    assert (loop.wake_late, loop.runqueue_mark, loop.tail_stall) == (None, None, None)
 
 
 def test_on_sim_time_the_wait_ends_on_the_target_without_polling_or_clues():

@@ -72,9 +72,21 @@ def test_chunk_info_without_debug_timing_has_no_delay_keys():
 
 def test_chunk_info_with_debug_timing_carries_the_delay_clues_in_ms():
     info = chunk_info(_report(DelayClues(wake_late=0.0021, runqueue_wait=None,
-                                         publish_call=0.00005)), 'policy', 8, 0.0)
+                                         publish_call=0.00005, tail_stall=0.0031,
+                                         stalled_threads='executor: spin x.py:3')),
+                      'policy', 8, 0.0)
     values = {kv.key: kv.value for kv in info.values}
-    assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050']
+    assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050', '3.100']
+    assert values[ChunkInfo.STALLED_THREADS] == 'executor: spin x.py:3'
+
+
+def test_chunk_info_names_no_threads_without_a_stall():
+    info = chunk_info(_report(DelayClues(wake_late=None, runqueue_wait=None,
+                                         publish_call=0.00005, tail_stall=None)),
+                      'policy', 8, 0.0)
+    values = {kv.key: kv.value for kv in info.values}
+    assert values[ChunkInfo.TAIL_STALL_MS] == ''
+    assert ChunkInfo.STALLED_THREADS not in values
 
 
 def test_chunk_info_carries_the_motion_limits_counts():

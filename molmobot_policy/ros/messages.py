@@ -40,7 +40,9 @@ class ChunkInfo:
     WAKE_LATE_MS = 'wake_late_ms'           # the last timed wait before the deadline, late by
     RUNQUEUE_WAIT_MS = 'runqueue_wait_ms'   # runnable without a CPU (Linux schedstat)
     PUBLISH_CALL_MS = 'publish_call_ms'
-    DELAY = (WAKE_LATE_MS, RUNQUEUE_WAIT_MS, PUBLISH_CALL_MS)
+    TAIL_STALL_MS = 'tail_stall_ms'         # the deadline poll's longest gap (GIL elsewhere)
+    DELAY = (WAKE_LATE_MS, RUNQUEUE_WAIT_MS, PUBLISH_CALL_MS, TAIL_STALL_MS)
+    STALLED_THREADS = 'stalled_threads'     # the other threads after a gap > 1 ms (if any)
 
 
 def stamp_seconds(stamp) -> float:
@@ -120,6 +122,9 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
     if report.delay is not None:
         values.update({ChunkInfo.WAKE_LATE_MS: _ms(report.delay.wake_late),
                        ChunkInfo.RUNQUEUE_WAIT_MS: _ms(report.delay.runqueue_wait),
-                       ChunkInfo.PUBLISH_CALL_MS: _ms(report.delay.publish_call)})
+                       ChunkInfo.PUBLISH_CALL_MS: _ms(report.delay.publish_call),
+                       ChunkInfo.TAIL_STALL_MS: _ms(report.delay.tail_stall)})
+        if report.delay.stalled_threads:
+            values[ChunkInfo.STALLED_THREADS] = report.delay.stalled_threads
     return DiagnosticStatus(level=DiagnosticStatus.OK, name=f'{name}: chunk', hardware_id=name,
                             message=f'chunk {report.count}', values=key_values(values))

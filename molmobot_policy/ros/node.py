@@ -53,6 +53,8 @@ from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, freeze
 from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
+RECEIVER_FRESH_S = 1.0      # diagnostics copy the receiver's frames only if the worker has
+                            # not within this (it polls every chunk_period while active)
 
 
 class PolicyNode(LifecycleNode):
@@ -91,6 +93,7 @@ class PolicyNode(LifecycleNode):
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
         self._receiver_failed = ''      # the receiver's exit, logged once per activation
+        self._receiver_polled_at = -RECEIVER_FRESH_S   # monotonic s of the worker's last poll
         self._receiver_choice = 'in_process'    # where and why, decided at activate
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
@@ -276,7 +279,7 @@ class PolicyNode(LifecycleNode):
             self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
             mode=self._mode,
             served=self.served, sim_time=sim_time,
-            refresh=self._poll_receiver if self._receiver is not None else None)
+            refresh=self._refresh_diagnostics if self._receiver is not None else None)
         if self._receiver is not None:
             self._receiver_failed = ''
             self._receiver.start()
@@ -370,13 +373,25 @@ class PolicyNode(LifecycleNode):
         self.get_logger().warning(f'camera {topic}: {refused}',
                                   throttle_duration_sec=WARN_THROTTLE_S)
 
-    def _poll_receiver(self) -> str:
+    def _refresh_diagnostics(self) -> str:
+        """Before each diagnostics update (camera_receiver subprocess): the receiver's
+        newest frames into the synchronizer, unless the worker took them within
+        RECEIVER_FRESH_S (it does before every observation while active). A poll copies up
+        to one ~1 MB frame per camera holding the GIL, on the diagnostics thread, when the
+        worker may be polling the clock for a deadline; returns what `_poll_receiver` does."""
+        if time.monotonic() - self._receiver_polled_at < RECEIVER_FRESH_S:
+            return self._receiver.problem() if self._receiver is not None else ''
+        return self._poll_receiver(worker=False)
+
+    def _poll_receiver(self, worker: bool = True) -> str:
         """camera_receiver subprocess: the newest frames into the synchronizer (worker
-        before each observation, diagnostics before each update); returns '' or why no
-        frames can arrive (the receiver process exited: logged once)."""
+        before each observation, diagnostics before an update when the worker has not);
+        returns '' or why no frames can arrive (the receiver process exited: logged once)."""
         receiver = self._receiver
         if receiver is None:
             return ''
+        if worker:
+            self._receiver_polled_at = time.monotonic()
         problem = receiver.problem()
         if problem:
             if not self._receiver_failed:

@@ -38,6 +38,8 @@ through the constructor, so tests drive the loop on a fake clock.
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -71,7 +73,29 @@ SETTLE_SAMPLES = 2          # inferences after each activation left out of the l
                             # run on cold caches and clocks after the pause
 OUTLIER_FACTOR = 3.0        # a latency above this times the window's median is a spike, not
                             # the new steady state (LatencyEstimator)
+STALL_TRACE_S = 0.001      # debug_timing: a polling-tail gap longer than this names where the
+                            # other threads were when it ended (`other_threads`)
 CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds)
+
+
+def other_threads(frames: int = 3) -> str:
+    """Where each other thread of this process is: 'name: function file:line < caller ...'
+    (innermost first, `frames` deep), '; '-separated. Read right after the GIL came back
+    from a long hold, the holder is usually still in (or just after) the code that held it;
+    threads waiting show their wait."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        where = []
+        while frame is not None and len(where) < frames:
+            code = frame.f_code
+            where.append(f'{code.co_name} {os.path.basename(code.co_filename)}:{frame.f_lineno}')
+            frame = frame.f_back
+        parts.append(f"{names.get(ident, ident)}: {' < '.join(where)}")
+    return '; '.join(sorted(parts))
 
 
 def latency_estimator(chunk_period: float,
@@ -174,6 +198,8 @@ class PolicyLoop:
         self._last_now = -np.inf
         self._jumped: Optional[float] = None     # s the clock went back, until restarted
         self.wake_late: Optional[float] = None   # s, the last timed wait's lateness
+        self.tail_stall: Optional[float] = None  # s, the polling tail's longest gap
+        self.stalled_threads = ''                # other_threads() after that gap
         self.runqueue_mark: Optional[float] = None   # s, run-queue wait before that wait
         self._thread: Optional[threading.Thread] = None
 
@@ -205,20 +231,30 @@ class PolicyLoop:
 
         Sets `wake_late` (s the last timed wait returned after its aim) and `runqueue_mark`
         (the thread's run-queue wait before the last timed wait before t) with debug_timing
-        on the system clock; both None otherwise, or without a timed wait.
+        on the system clock; both None otherwise, or without a timed wait. Also, there,
+        `tail_stall` (s): the longest gap between two clock reads of the polling tail (None:
+        no tail), and `stalled_threads` (`other_threads()` at the end of that gap when it
+        exceeds STALL_TRACE_S, else ''): a gap is the GIL held elsewhere or the CPU lost.
         """
         sim = self._sim_time()
         tail = 0.0 if sim else BUSY_WAIT_S
         measure = self._debug and not sim
         self.wake_late = self.runqueue_mark = None
-        aim = None
+        self.tail_stall, self.stalled_threads = None, ''
+        aim = polled = None
         while not self._stop.is_set():
             now = self._now()
+            if measure and polled is not None:      # in the polling tail
+                gap = now - polled
+                if gap > (self.tail_stall or 0.0):
+                    self.tail_stall = gap
+                    if gap > STALL_TRACE_S:
+                        self.stalled_threads = other_threads()
             if self._jumped is not None:
                 return Wait.CLOCK_JUMPED
             if aim is not None and measure:
                 self.wake_late = now - aim
-            aim = None
+            aim = polled = None
             remaining = t - now
             if remaining <= 0.0:
                 return Wait.REACHED
@@ -230,6 +266,7 @@ class PolicyLoop:
                     break
                 aim = now + timeout
             else:
+                polled = now
                 time.sleep(0)
         return Wait.STOPPED
 
@@ -330,7 +367,7 @@ class PolicyLoop:
         if self._debug:
             after = None if mark is None else self._runqueue_wait()
             delay = DelayClues(wake_late, None if after is None else after - mark,
-                               published - called)
+                               published - called, self.tail_stall, self.stalled_threads)
         self._record(tick, observation, chunk, stitched, published, delay, limits)
 
     def _limit(self, stitched: StitchedChunk, measured, publish_at: float):

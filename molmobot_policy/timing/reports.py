@@ -27,11 +27,17 @@ class DelayClues:
         runqueue_wait: the worker thread runnable without a CPU from before that wait to after
             the publish (None: no timed wait, or no schedstat on this system).
         publish_call: how long the send took.
+        tail_stall: the longest gap between two clock reads while polling for the deadline
+            (None: no polling tail, i.e. inference ran past the deadline).
+        stalled_threads: where the process's other threads were when that gap ended, if it
+            was longer than `timing.loop.STALL_TRACE_S` ('' otherwise; `loop.other_threads`).
     """
 
     wake_late: Optional[float]
     runqueue_wait: Optional[float]
     publish_call: float
+    tail_stall: Optional[float] = None
+    stalled_threads: str = ''
 
 
 @dataclass(frozen=True)
