@@ -66,6 +66,9 @@ for arg in "$@"; do
     --check-only) CHECK_ONLY=1 ;;
     --image-transport) IMAGE_TRANSPORT=1 ;;
     --alone) ALONE=1 ;;
+    -h|--help)      # the header comment above is the usage
+      sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
+      exit 0 ;;
     *) PASS_ON+=("$arg") ;;
   esac
 done
