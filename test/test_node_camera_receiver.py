@@ -5,17 +5,14 @@ publishes chunks of those frames, names a dead receiver in its skip reason and k
 running, and leaves no shared-memory segment behind."""
 from __future__ import annotations
 
-import functools
 import os
 import signal
-import types
 
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
 
 from molmobot_policy.ros.messages import ChunkInfo  # noqa: E402
-from molmobot_policy.ros.node import RECEIVER_FRESH_S, PolicyNode  # noqa: E402
 from molmobot_policy.ros.parameters import PARAMETERS, ParameterError  # noqa: E402
 
 from _robot_inputs import RecordingGraph, graphs  # noqa: E402
@@ -184,36 +181,3 @@ def test_subprocess_with_use_sim_time_is_refused_naming_both_parameters():
     with pytest.raises(ParameterError,
                        match="not one of \\['auto', 'in_process', 'subprocess'\\]"):
         check_parameter_values(values.get)
-
-
-class _CountingReceiver:
-    """Stands in for CameraReceiver: counts the polls (each copies the newest frames)."""
-
-    def __init__(self) -> None:
-        self.polls = 0
-
-    def problem(self) -> str:
-        return ''
-
-    def poll(self, sync, log=None) -> int:
-        self.polls += 1
-        return 0
-
-
-def test_diagnostics_copy_no_frames_the_worker_took_within_a_second():
-    """The diagnostics thread copies the receiver's frames (holding the GIL the worker's
-    deadline poll needs) only when the worker has not polled them within RECEIVER_FRESH_S:
-    while inactive, or when the loop stalls."""
-    receiver = _CountingReceiver()
-    node = types.SimpleNamespace(_receiver=receiver, _receiver_failed='', _sync=None,
-                                 _warn_refused=None, _receiver_polled_at=-RECEIVER_FRESH_S)
-    node._poll_receiver = functools.partial(PolicyNode._poll_receiver, node)
-    assert PolicyNode._refresh_diagnostics(node) == ''     # no worker poll yet: it copies
-    assert receiver.polls == 1
-    assert node._poll_receiver() == ''                      # the worker, before an observation
-    assert receiver.polls == 2
-    assert PolicyNode._refresh_diagnostics(node) == ''
-    assert receiver.polls == 2                              # the worker's copy is fresh
-    node._receiver_polled_at -= RECEIVER_FRESH_S            # the worker stopped a second ago
-    assert PolicyNode._refresh_diagnostics(node) == ''
-    assert receiver.polls == 3

@@ -3,7 +3,8 @@
 
     python -m molmobot_policy.ros.node --ros-args --params-file config/policy_tiny.yaml
 
-Runs `PolicyNode` on a `SingleThreadedExecutor`; with `autostart` (default) it configures
+Runs `PolicyNode` on a `QuietExecutor` (rclpy's SingleThreadedExecutor whose callbacks wait
+out the worker's publish window); with `autostart` (default) it configures
 and activates the node itself, for users without lifecycle tooling.
 
 Signals: SIGINT (Ctrl-C) and SIGTERM are answered by rclpy's signal handler, which shuts the
@@ -39,6 +40,7 @@ import time
 from contextlib import contextmanager
 
 import rclpy
+from rclpy import executors
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
@@ -50,6 +52,39 @@ SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): t
 EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 PARENT_CHECK_S = 0.1        # ParentWatch's polling period
 INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
+
+
+_NOTHING_READY = tuple(getattr(executors, name) for name in (
+    'ShutdownException', 'TimeoutException', 'ConditionReachedException')
+    if hasattr(executors, name))     # what wait_for_ready_callbacks raises for "no callback"
+
+
+class QuietExecutor(SingleThreadedExecutor):
+    """rclpy's SingleThreadedExecutor whose callbacks wait out the worker's publish window.
+
+    Each ready callback (a joint state, a timer, the diagnostics, a service) runs after
+    `quiet.wait_out()`: while the worker polls the clock for its deadline and sends a chunk
+    (`timing.QuietWindow`), the executor thread waits without the GIL, so the publish does not
+    wait for a callback's Python to give the GIL back (at most `timing.loop.QUIET_MAX_S` per
+    window; messages meanwhile queue in their subscriptions, their QoS depth >= 2). Same
+    semantics as `SingleThreadedExecutor.spin_once` otherwise (public API only).
+    """
+
+    def __init__(self, quiet, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._quiet = quiet
+
+    def spin_once(self, timeout_sec=None) -> None:
+        try:
+            handler, _, _ = self.wait_for_ready_callbacks(timeout_sec)
+        except _NOTHING_READY:
+            return
+        self._quiet.wait_out()
+        handler()
+        exception = handler.exception()
+        if exception is not None:
+            raise exception
+        handler.result()
 
 
 class GracefulSigint:
@@ -284,11 +319,11 @@ def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
     starting = False        # inside autostart's configure + activate
     try:
         # One thread for every callback: they only store messages (the worker thread runs
-        # inference). rclpy's MultiThreadedExecutor under 240 camera frames/s creates task
+        # inference), and they wait out the worker's publish window (QuietExecutor). rclpy's MultiThreadedExecutor under 240 camera frames/s creates task
         # and future objects per callback (a garbage collection every few ms) and holds the
         # GIL the worker needs between CUDA calls: inference p99 and publish jitter grow
         # several-fold.
-        executor = SingleThreadedExecutor()
+        executor = QuietExecutor(node.quiet_window)
         executor.add_node(node)
         if node.get_parameter('autostart').value:
             starting = True

@@ -48,13 +48,11 @@ from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (pu
                                          default_engine_factory, read_model_config,
                                          served_weights, serves_random_weights)
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
-from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, freeze_heap,
-                                    latency_estimator, unfreeze_heap)
+from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, QuietWindow,
+                                    freeze_heap, latency_estimator, unfreeze_heap)
 from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
-RECEIVER_FRESH_S = 1.0      # diagnostics copy the receiver's frames only if the worker has
-                            # not within this (it polls every chunk_period while active)
 
 
 class PolicyNode(LifecycleNode):
@@ -93,7 +91,7 @@ class PolicyNode(LifecycleNode):
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
         self._receiver_failed = ''      # the receiver's exit, logged once per activation
-        self._receiver_polled_at = -RECEIVER_FRESH_S   # monotonic s of the worker's last poll
+        self.quiet_window = QuietWindow()   # the worker's publish window (ros.main's executor)
         self._receiver_choice = 'in_process'    # where and why, decided at activate
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
@@ -273,13 +271,14 @@ class PolicyNode(LifecycleNode):
             to_joints=self.contract.joint_positions,
             events=LoopReport(self, self._chunk_info_pub, self._sync, self._watchdog, self._now),
             sim_time=sim_time, debug_timing=self._param('debug_timing'),
-            limiter=motion_limiter(self._param), measured=self._measured, latency=self._latency)
+            limiter=motion_limiter(self._param), measured=self._measured, latency=self._latency,
+            quiet=self.quiet_window)
         self.gc_pauses = GcPauses(STATS_WINDOW).install()
         self._diagnostics = policy_updater(
             self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
             mode=self._mode,
             served=self.served, sim_time=sim_time,
-            refresh=self._refresh_diagnostics if self._receiver is not None else None)
+            refresh=self._poll_receiver if self._receiver is not None else None)
         if self._receiver is not None:
             self._receiver_failed = ''
             self._receiver.start()
@@ -373,25 +372,13 @@ class PolicyNode(LifecycleNode):
         self.get_logger().warning(f'camera {topic}: {refused}',
                                   throttle_duration_sec=WARN_THROTTLE_S)
 
-    def _refresh_diagnostics(self) -> str:
-        """Before each diagnostics update (camera_receiver subprocess): the receiver's
-        newest frames into the synchronizer, unless the worker took them within
-        RECEIVER_FRESH_S (it does before every observation while active). A poll copies up
-        to one ~1 MB frame per camera holding the GIL, on the diagnostics thread, when the
-        worker may be polling the clock for a deadline; returns what `_poll_receiver` does."""
-        if time.monotonic() - self._receiver_polled_at < RECEIVER_FRESH_S:
-            return self._receiver.problem() if self._receiver is not None else ''
-        return self._poll_receiver(worker=False)
-
-    def _poll_receiver(self, worker: bool = True) -> str:
+    def _poll_receiver(self) -> str:
         """camera_receiver subprocess: the newest frames into the synchronizer (worker
-        before each observation, diagnostics before an update when the worker has not);
-        returns '' or why no frames can arrive (the receiver process exited: logged once)."""
+        before each observation, diagnostics before each update); returns '' or why no
+        frames can arrive (the receiver process exited: logged once)."""
         receiver = self._receiver
         if receiver is None:
             return ''
-        if worker:
-            self._receiver_polled_at = time.monotonic()
         problem = receiver.problem()
         if problem:
             if not self._receiver_failed:

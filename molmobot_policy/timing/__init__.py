@@ -18,7 +18,7 @@ Pure python + numpy, no rclpy: every time is a float in seconds passed in by the
 """
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
-from molmobot_policy.timing.loop import PolicyLoop, Wait, latency_estimator
+from molmobot_policy.timing.loop import PolicyLoop, QuietWindow, Wait, latency_estimator
 from molmobot_policy.timing.motion import LimitedPoints, MotionLimiter
 from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
 from molmobot_policy.timing.watchdog import OutputState, OutputWatchdog
@@ -29,5 +29,6 @@ from molmobot_policy.timing.stats import (GcPauses, RollingStats, freeze_heap, r
 __all__ = ['ChunkReport', 'ChunkStitcher', 'DeadlineScheduler', 'DelayClues', 'GcPauses',
            'LatencyEstimator', 'LimitedPoints', 'LoopEvents', 'LoopStats', 'MissedTicks',
            'MotionLimiter', 'ObservationGate', 'OutputState', 'OutputWatchdog', 'PolicyLoop',
+           'QuietWindow',
            'RollingStats', 'StitchedChunk', 'Tick', 'Wait', 'freeze_heap',
            'latency_estimator', 'runqueue_wait_s', 'unfreeze_heap']

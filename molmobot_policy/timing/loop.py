@@ -17,7 +17,9 @@ executes at `observation.stamp + k * control_period`.
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
 after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
 before the target and the worker then polls the clock, yielding the GIL (`time.sleep(0)`)
-between reads, so the wake-up is not late by a timed wait's slack or a late timer.
+between reads, so the wake-up is not late by a timed wait's slack or a late timer. While it
+polls for a deadline and sends, its `QuietWindow` is open: threads that wait it out (the
+node's executor, before each callback) leave it the GIL.
 
 Clock jumps: every clock read is compared with the previous one. A clock that went back
 (sim time restarted, the system clock set back) ends a wait at once, also the wait for a
@@ -73,9 +75,43 @@ SETTLE_SAMPLES = 2          # inferences after each activation left out of the l
                             # run on cold caches and clocks after the pause
 OUTLIER_FACTOR = 3.0        # a latency above this times the window's median is a spike, not
                             # the new steady state (LatencyEstimator)
+QUIET_MAX_S = BUSY_WAIT_S + 0.004   # the longest another thread waits out a publish window
 STALL_TRACE_S = 0.001      # debug_timing: a polling-tail gap longer than this names where the
                             # other threads were when it ended (`other_threads`)
 CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds)
+
+
+class QuietWindow:
+    """The worker's publish window, which the process's other Python threads stay out of.
+
+    The worker's publish needs the GIL at its deadline; a thread running Python then (the
+    ROS executor's callbacks, the diagnostics) keeps it until the worker's request for it
+    times out (`sys.setswitchinterval`), and that timed wait can return milliseconds late on
+    a virtual machine. The worker `enter()`s when it starts polling the clock for a deadline
+    (BUSY_WAIT_S before it) and `leave()`s after the send; another thread calls
+    `wait_out()` before running Python work: it blocks, without the GIL, while the window is
+    open, at most `timeout` s (default QUIET_MAX_S: a worker that never leaves delays it
+    by that much, no more). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._clear = threading.Event()
+        self._clear.set()
+
+    def enter(self) -> None:
+        self._clear.clear()
+
+    def leave(self) -> None:
+        self._clear.set()
+
+    @property
+    def open(self) -> bool:
+        return not self._clear.is_set()
+
+    def wait_out(self, timeout: Optional[float] = None) -> bool:
+        """Block while the window is open, at most `timeout` s (None: QUIET_MAX_S); True if
+        it is closed on return."""
+        return self._clear.wait(QUIET_MAX_S if timeout is None else timeout)
 
 
 def other_threads(frames: int = 3) -> str:
@@ -178,7 +214,8 @@ class PolicyLoop:
                  runqueue_wait: Callable[[], Optional[float]] = runqueue_wait_s,
                  limiter: Optional[MotionLimiter] = None,
                  measured: Optional[Callable[[], tuple]] = None,
-                 latency: Optional[LatencyEstimator] = None) -> None:
+                 latency: Optional[LatencyEstimator] = None,
+                 quiet: Optional[QuietWindow] = None) -> None:
         if not chunk_period > 0.0:
             raise ValueError(f'chunk_period must be > 0 seconds, got {chunk_period!r}')
         self._clock, self._observe, self._predict = clock, observe, predict
@@ -188,6 +225,7 @@ class PolicyLoop:
         self._sim_time, self._debug = sim_time, bool(debug_timing)
         self._stop = stop_event if stop_event is not None else threading.Event()
         self._timer, self._runqueue_wait = timer, runqueue_wait
+        self.quiet = quiet if quiet is not None else QuietWindow()
         if limiter is not None and measured is None:
             raise ValueError('a limiter needs `measured`, the measured joint positions')
         self._limiter, self._measured = limiter, measured
@@ -226,8 +264,9 @@ class PolicyLoop:
         self._last_now = now
         return now
 
-    def wait_until(self, t: float) -> Wait:
+    def wait_until(self, t: float, quiet: bool = False) -> Wait:
         """Block until the clock reads >= t (s), `stop()` is called or the clock jumps back.
+        quiet: enter the `QuietWindow` when the polling tail starts (the caller leaves it).
 
         Sets `wake_late` (s the last timed wait returned after its aim) and `runqueue_mark`
         (the thread's run-queue wait before the last timed wait before t) with debug_timing
@@ -266,6 +305,8 @@ class PolicyLoop:
                     break
                 aim = now + timeout
             else:
+                if quiet and polled is None and not self.quiet.open:
+                    self.quiet.enter()
                 polled = now
                 time.sleep(0)
         return Wait.STOPPED
@@ -357,12 +398,15 @@ class PolicyLoop:
             stitched = replace(stitched, positions=limits.positions)
             self._stitcher.commit(stitched)     # the next chunk joins what was published
         send = self._publish(stitched)
-        if self.wait_until(tick.deadline) is not Wait.REACHED:
-            return      # stopped, or the clock went back: never publish into the new time
-        wake_late, mark = self.wake_late, self.runqueue_mark
-        called = self._now() if self._debug else None
-        send()
-        published = self._now()
+        try:
+            if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
+                return  # stopped, or the clock went back: never publish into the new time
+            wake_late, mark = self.wake_late, self.runqueue_mark
+            called = self._now() if self._debug else None
+            send()
+            published = self._now()
+        finally:
+            self.quiet.leave()      # the other threads run again
         delay = None
         if self._debug:
             after = None if mark is None else self._runqueue_wait()
