@@ -40,8 +40,8 @@ prints a table and writes JSON (`--out`). Measures:
   something else while a virtual CPU had work).
 - achieved publisher rates (each publisher prints its cumulative counts once a second).
 Targets (issue 19): jitter p99 <= 1 ms, max <= 3 ms, zero deadline misses and skipped ticks
-(the shortest chunk period meeting them: <= 0.085 s). Exits 1 if no chunk arrived, else 0 (targets are
-reported, not enforced).
+(the shortest chunk period meeting them: <= 0.085 s). Exits 1 if no chunk arrived, else 0
+(targets are reported, not enforced).
 
 Beside the JSON (`<out stem>_latency_timeline.png`, `<out stem>_jitter_histogram.png`, paths
 printed at the end): inference, observation age and publish jitter of every measured chunk

@@ -319,10 +319,10 @@ def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
     starting = False        # inside autostart's configure + activate
     try:
         # One thread for every callback: they only store messages (the worker thread runs
-        # inference), and they wait out the worker's publish window (QuietExecutor). rclpy's MultiThreadedExecutor under 240 camera frames/s creates task
-        # and future objects per callback (a garbage collection every few ms) and holds the
-        # GIL the worker needs between CUDA calls: inference p99 and publish jitter grow
-        # several-fold.
+        # inference), and they wait out the worker's publish window (QuietExecutor).
+        # rclpy's MultiThreadedExecutor under 240 camera frames/s creates task and future
+        # objects per callback (a garbage collection every few ms) and holds the GIL the
+        # worker needs between CUDA calls: inference p99 and publish jitter grow several-fold.
         executor = QuietExecutor(node.quiet_window)
         executor.add_node(node)
         if node.get_parameter('autostart').value:

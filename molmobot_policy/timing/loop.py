@@ -198,6 +198,8 @@ class PolicyLoop:
             interface: set, is_set, wait(timeout) -> bool); default a new Event.
         timer: () -> float, seconds; wall clock timing `observe` + `predict` for the lead.
         runqueue_wait: () -> float | None, the thread's run-queue wait so far, s.
+        quiet: the `QuietWindow` opened for each deadline poll and send (default a private
+            one, which no other thread waits on).
     Raises:
         ValueError: chunk_period not > 0.
     """
