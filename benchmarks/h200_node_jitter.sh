@@ -46,7 +46,7 @@
 # over DDS", docs/decisions/fastdds-large-images.md).
 #
 # CHUNK_PERIOD (default 0.15 s; the figures in docs/PERFORMANCE.md use 0.12 s): keep it >= 1.2 x
-# the p99 inference the node reports (/diagnostics; 59-66 ms for this configuration in
+# the p99 inference the node reports (/diagnostics; 53-56 ms for this configuration in
 # docs/PERFORMANCE.md, so 0.12 s has margin). The node starts inference 1.2 x p99 before each
 # deadline and caps that lead at 0.9 x period. Lower it only with the measured p99 in hand.
 set -euo pipefail

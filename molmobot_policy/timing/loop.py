@@ -32,7 +32,9 @@ every CLOCK_REPORT_S of `timer` time (`LoopEvents.waiting_for_clock`).
 Delay clues (`debug_timing`): how late the last timed wait before the deadline returned,
 the worker's run-queue wait from before that wait to after the publish (Linux schedstat,
 `runqueue_wait_s`: the operating system's share of a delay; the rest is the GIL or a lock)
-and the publish call's length, per chunk in `ChunkReport.delay`. Off: none of it is read.
+the publish call's length, and the deadline poll's longest gap between two clock reads
+(`tail_stall`: the GIL held elsewhere) with, past STALL_TRACE_S, where the other threads were
+(`other_threads`), per chunk in `ChunkReport.delay`. Off: none of it is read.
 
 No rclpy: clock, observe, predict, publish, the event sink and the stop event are injected
 through the constructor, so tests drive the loop on a fake clock.
