@@ -249,8 +249,9 @@ def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segme
                     on_image(k, topic, compressed, msg), qos)
         executor = SingleThreadedExecutor(context=context)
         executor.add_node(node)
-        node.get_logger().info(f'receiving {len(cameras)} cameras into shared memory '
-                               f'{segment}')
+        if not stop.is_set():   # a parent that stopped while this child started: say nothing
+            node.get_logger().info(f'receiving {len(cameras)} cameras into shared memory '
+                                   f'{segment}')
         while not stop.is_set() and os.getppid() == parent_pid and context.ok():
             executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
         executor.shutdown(timeout_sec=1.0)

@@ -116,11 +116,17 @@ class QuietWindow:
         return self._clear.wait(QUIET_MAX_S if timeout is None else timeout)
 
 
+def _short_path(path: str) -> str:
+    """'package/module.py' of a source path: enough to tell rclpy's executors.py from ours."""
+    folder, name = os.path.split(path)
+    return f'{os.path.basename(folder)}/{name}' if folder else name
+
+
 def other_threads(frames: int = 3) -> str:
-    """Where each other thread of this process is: 'name: function file:line < caller ...'
-    (innermost first, `frames` deep), '; '-separated. Read right after the GIL came back
-    from a long hold, the holder is usually still in (or just after) the code that held it;
-    threads waiting show their wait."""
+    """Where each other thread of this process is: 'name: function package/file.py:line <
+    caller ...' (innermost first, `frames` deep), '; '-separated. Read right after the GIL
+    came back from a long hold, the holder is usually still in (or just after) the code that
+    held it; threads waiting show their wait."""
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.get_ident()
     parts = []
@@ -130,7 +136,7 @@ def other_threads(frames: int = 3) -> str:
         where = []
         while frame is not None and len(where) < frames:
             code = frame.f_code
-            where.append(f'{code.co_name} {os.path.basename(code.co_filename)}:{frame.f_lineno}')
+            where.append(f'{code.co_name} {_short_path(code.co_filename)}:{frame.f_lineno}')
             frame = frame.f_back
         parts.append(f"{names.get(ident, ident)}: {' < '.join(where)}")
     return '; '.join(sorted(parts))
