@@ -106,6 +106,7 @@ BUCKET_MULTIPLE = 64        # --buckets auto: the prompt length rounded up to th
 STATS_PREFIX = 'STATS '     # publisher stdout lines carrying their counters
 LATE_MS = 1.0               # chunks published later than this after their deadline count as late
 STALL_PLACES = 20           # the most frequent places of other threads after a poll stall
+                            # (threads always found in one place are listed as parked)
 TARGET_P99_MS, TARGET_MAX_MS = 1.0, 3.0    # issue 19's publish jitter targets
 DELAY_KEYS = ChunkInfo.DELAY     # parts of the delay (the node's debug_timing)
 DDS_PROFILE = REPO / 'config' / 'fastdds_large_images.xml'   # README 'Large images over DDS'
@@ -367,8 +368,14 @@ def publish_delay(chunks: list[dict]) -> dict:
     late = [c for c in chunks if float(c['publish_jitter_ms']) > LATE_MS]
     stalls = collections.Counter(part for c in chunks for part in
                                  c.get(ChunkInfo.STALLED_THREADS, '').split('; ') if part)
+    places = collections.defaultdict(set)       # thread name -> its places after stalls
+    for place in stalls:
+        places[place.split(': ', 1)[0]].add(place)
+    parked = sorted(name for name, seen in places.items() if len(seen) == 1)
     return {'late_chunks': len(late), 'late_ms': LATE_MS,
-            'stalled_threads': stalls.most_common(STALL_PLACES),
+            'stalled_threads': [(place, n) for place, n in stalls.most_common()
+                                if place.split(': ', 1)[0] not in parked][:STALL_PLACES],
+            'parked_threads': parked,
             **{group: {key: summary(_floats(members, key)) for key in DELAY_KEYS}
                for group, members in (('all', chunks), ('late', late))}}
 
@@ -523,11 +530,14 @@ def print_table(run: dict) -> None:
                 continue
             print(f"  {label:<26}{a['p50']:>8.3f}{a['p99']:>8.3f}{a['max']:>8.3f}   late: "
                   f"{late['p50']:.3f} / {late['max']:.3f}")
-        if delay.get('stalled_threads'):
+        if delay.get('stalled_threads') or delay.get('parked_threads'):
             print(f"where the other threads were after the deadline poll stalled over 1 ms "
-                  f"(chunks; the {STALL_PLACES} most frequent):")
-            for place, n in delay['stalled_threads']:
+                  f"(chunks; the {STALL_PLACES} most frequent places of threads seen in more "
+                  f"than one):")
+            for place, n in delay.get('stalled_threads', []):
                 print(f"  {n:5d}  {place}")
+            print('  always in one place (parked): ' + (', '.join(delay['parked_threads'])
+                                                        or 'none'))
     print('CPU % (100 = one core): ' + ', '.join(f'{k} {v:.1f}'
                                                   for k, v in r['cpu_percent'].items()))
     jitter = r['publish_jitter_ms']
