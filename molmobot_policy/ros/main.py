@@ -40,8 +40,8 @@ import time
 from contextlib import contextmanager
 
 import rclpy
-from rclpy import executors
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import (ConditionReachedException, ExternalShutdownException,
+                             ShutdownException, SingleThreadedExecutor, TimeoutException)
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
 from molmobot_policy.ros.report import print_log
@@ -54,9 +54,8 @@ PARENT_CHECK_S = 0.1        # ParentWatch's polling period
 INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
 
 
-_NOTHING_READY = tuple(getattr(executors, name) for name in (
-    'ShutdownException', 'TimeoutException', 'ConditionReachedException')
-    if hasattr(executors, name))     # what wait_for_ready_callbacks raises for "no callback"
+# what wait_for_ready_callbacks raises for "no callback to run"
+_NOTHING_READY = (ShutdownException, TimeoutException, ConditionReachedException)
 
 
 class QuietExecutor(SingleThreadedExecutor):

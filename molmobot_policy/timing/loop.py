@@ -315,7 +315,7 @@ class PolicyLoop:
                     break
                 aim = now + timeout
             else:
-                if quiet and polled is None and not self.quiet.open:
+                if quiet and not self.quiet.open:
                     self.quiet.enter()
                 polled = now
                 time.sleep(0)
