@@ -23,8 +23,11 @@ prints a table and writes JSON (`--out`). Measures:
   timed wait before the deadline returning late (wake_late_ms), the worker thread runnable
   without a CPU from before that wait to after the publish (runqueue_wait_ms, Linux
   schedstat: the operating system's share; the rest of a delay is the GIL or a lock), the
-  publish call (publish_call_ms); summarized over all chunks and over the late ones
-  (jitter > LATE_MS).
+  publish call (publish_call_ms), the deadline poll's longest gap (tail_stall_ms), and,
+  for a publish late because the work overran its lead, the work's parts: start_late_ms
+  (the work began after the tick's start_at), observe_ms, preprocess_ms and model_ms (the
+  engine's split of the inference), after_predict_ms (inference end to the deadline
+  wait); summarized over all chunks and over the late ones (jitter > LATE_MS).
 - deadline misses, skipped ticks, failed ticks, dropped actions: differences of the node's
   /diagnostics counters across the window; tick gaps: ticks without a chunk (chunk_info).
 - frames decoded vs received: the synchronizer decodes a camera frame only when an
@@ -524,7 +527,12 @@ def print_table(run: dict) -> None:
         for label, key in (('timed wait returned late', 'wake_late_ms'),
                            ('runnable without a CPU', 'runqueue_wait_ms'),
                            ('publish call', 'publish_call_ms'),
-                           ('deadline poll stalled', 'tail_stall_ms')):
+                           ('deadline poll stalled', 'tail_stall_ms'),
+                           ('work began after start_at', 'start_late_ms'),
+                           ('observe (frames, sync)', 'observe_ms'),
+                           ('inference: preprocess', 'preprocess_ms'),
+                           ('inference: model', 'model_ms'),
+                           ('inference end to wait', 'after_predict_ms')):
             a, late = delay['all'].get(key), delay['late'].get(key)
             if not a or not a['n']:
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -423,6 +424,31 @@ def test_debug_timing_reports_the_delay_clues_and_is_off_by_default():
     assert delay.publish_call == pytest.approx(TICK)       # one clock read apart
     loop, robot, recorder = run(chunks=1)
     assert recorder.reports[0].delay is None
+
+
+def test_debug_timing_splits_a_ticks_work_into_its_parts():
+    """start_late, observe, the engine's preprocess / model split and after_predict: what a
+    publish late because the work overran its lead spent its time on."""
+    clock = FakeClock()
+    event = FakeEvent(clock, late=BUSY_WAIT_S + 0.004)   # every timed wait 4 ms past the tail
+    robot = Robot(clock)
+    observe, predict = robot.observe, robot.predict
+
+    def slow_observe(now):
+        clock.t += 0.02
+        return observe(now)
+
+    def slow_predict(observation):
+        clock.t += 0.03
+        return replace(predict(observation), timings_ms={'preprocess': 3.0, 'model': 26.5})
+    robot.observe, robot.predict = slow_observe, slow_predict
+    recorder = Recorder(event, chunks=1)
+    make_loop(clock, event, robot, recorder, debug_timing=True).run()
+    delay = recorder.reports[0].delay
+    assert delay.start_late == pytest.approx(0.004, abs=20 * TICK)
+    assert delay.observe == pytest.approx(0.02, abs=20 * TICK)
+    assert (delay.preprocess, delay.model) == (pytest.approx(0.003), pytest.approx(0.0265))
+    assert 0.0 < delay.after_predict < 0.001          # stitching, limits, the message
 
 
 def test_stop_ends_and_joins_the_worker_thread():

@@ -76,8 +76,20 @@ def test_chunk_info_with_debug_timing_carries_the_delay_clues_in_ms():
                                          stalled_threads='executor: spin x.py:3')),
                       'policy', 8, 0.0)
     values = {kv.key: kv.value for kv in info.values}
-    assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050', '3.100']
+    assert [values[k] for k in ChunkInfo.DELAY] == ['2.100', '', '0.050', '3.100'] + [''] * 5
     assert values[ChunkInfo.STALLED_THREADS] == 'executor: spin x.py:3'
+
+
+def test_chunk_info_with_debug_timing_carries_the_works_parts_in_ms():
+    info = chunk_info(_report(DelayClues(wake_late=None, runqueue_wait=None,
+                                         publish_call=0.00005, start_late=0.0004,
+                                         observe=0.0021, preprocess=0.0025, model=0.0491,
+                                         after_predict=0.0003)), 'policy', 8, 0.0)
+    values = {kv.key: kv.value for kv in info.values}
+    assert [values[k] for k in (ChunkInfo.START_LATE_MS, ChunkInfo.OBSERVE_MS,
+                                ChunkInfo.PREPROCESS_MS, ChunkInfo.MODEL_MS,
+                                ChunkInfo.AFTER_PREDICT_MS)] == \
+        ['0.400', '2.100', '2.500', '49.100', '0.300']
 
 
 def test_chunk_info_names_no_threads_without_a_stall():

@@ -41,7 +41,13 @@ class ChunkInfo:
     RUNQUEUE_WAIT_MS = 'runqueue_wait_ms'   # runnable without a CPU (Linux schedstat)
     PUBLISH_CALL_MS = 'publish_call_ms'
     TAIL_STALL_MS = 'tail_stall_ms'         # the deadline poll's longest gap (GIL elsewhere)
-    DELAY = (WAKE_LATE_MS, RUNQUEUE_WAIT_MS, PUBLISH_CALL_MS, TAIL_STALL_MS)
+    START_LATE_MS = 'start_late_ms'         # the work began after the tick's start_at by
+    OBSERVE_MS = 'observe_ms'               # building the observation
+    PREPROCESS_MS = 'preprocess_ms'         # the inference's host part before the model
+    MODEL_MS = 'model_ms'                   # the model, up to its actions on the host
+    AFTER_PREDICT_MS = 'after_predict_ms'   # inference end -> the deadline wait
+    DELAY = (WAKE_LATE_MS, RUNQUEUE_WAIT_MS, PUBLISH_CALL_MS, TAIL_STALL_MS, START_LATE_MS,
+             OBSERVE_MS, PREPROCESS_MS, MODEL_MS, AFTER_PREDICT_MS)
     STALLED_THREADS = 'stalled_threads'     # the other threads after a gap > 1 ms (if any)
 
 
@@ -123,7 +129,12 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
         values.update({ChunkInfo.WAKE_LATE_MS: _ms(report.delay.wake_late),
                        ChunkInfo.RUNQUEUE_WAIT_MS: _ms(report.delay.runqueue_wait),
                        ChunkInfo.PUBLISH_CALL_MS: _ms(report.delay.publish_call),
-                       ChunkInfo.TAIL_STALL_MS: _ms(report.delay.tail_stall)})
+                       ChunkInfo.TAIL_STALL_MS: _ms(report.delay.tail_stall),
+                       ChunkInfo.START_LATE_MS: _ms(report.delay.start_late),
+                       ChunkInfo.OBSERVE_MS: _ms(report.delay.observe),
+                       ChunkInfo.PREPROCESS_MS: _ms(report.delay.preprocess),
+                       ChunkInfo.MODEL_MS: _ms(report.delay.model),
+                       ChunkInfo.AFTER_PREDICT_MS: _ms(report.delay.after_predict)})
         if report.delay.stalled_threads:
             values[ChunkInfo.STALLED_THREADS] = report.delay.stalled_threads
     return DiagnosticStatus(level=DiagnosticStatus.OK, name=f'{name}: chunk', hardware_id=name,

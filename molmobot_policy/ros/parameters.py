@@ -181,8 +181,9 @@ PARAMETERS = {
         _B)),
     'debug_timing': (False, descriptor(
         "per-chunk delay clues on ~/chunk_info (wake_late_ms, runqueue_wait_ms, "
-        'publish_call_ms, tail_stall_ms, stalled_threads: where a late publish spent its '
-        'time; reads /proc per chunk)', _B)),
+        'publish_call_ms, tail_stall_ms, stalled_threads, and the work before: '
+        'start_late_ms, observe_ms, preprocess_ms, model_ms, after_predict_ms: where a late '
+        'publish spent its time; reads /proc per chunk)', _B)),
     'diagnostics_period': (1.0, descriptor(
         'seconds between /diagnostics messages (system clock: they come without /clock too)',
         _D, float_range=(0.05, 60.0))),

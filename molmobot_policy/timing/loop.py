@@ -122,6 +122,11 @@ def _short_path(path: str) -> str:
     return f'{os.path.basename(folder)}/{name}' if folder else name
 
 
+def _seconds(ms) -> Optional[float]:
+    """Milliseconds (a number or None) -> seconds or None."""
+    return None if ms is None else float(ms) / 1e3
+
+
 def other_threads(frames: int = 3) -> str:
     """Where each other thread of this process is: 'name: function package/file.py:line <
     caller ...' (innermost first, `frames` deep), '; '-separated. Read right after the GIL
@@ -378,7 +383,10 @@ class PolicyLoop:
         # the lead covers building the observation (decoding its frames: ~6 ms per 480x640
         # jpeg) as well as the inference: both run between the tick's start and its deadline
         started = self._timer()
-        observation = self._observe(self._now())
+        now = self._now()
+        start_late = now - tick.start_at if self._debug and not self._sim_time() else None
+        observation = self._observe(now)
+        observed = self._timer()
         if isinstance(observation, Observation) and \
                 not self._gate.accept_observation(observation):
             observation = 'observation is not newer than the last one used'
@@ -388,7 +396,8 @@ class PolicyLoop:
             chunk = self._predict(observation)
         except ValueError as error:
             return self._skip(tick, f'engine refused observation: {error}')
-        self.latency.record(self._timer() - started)
+        predicted = self._timer()
+        self.latency.record(predicted - started)
         self.stats.inference_ms.add(chunk.inference_ms)
         # actions before the publish time are dropped; the publish time is the deadline
         # unless inference overran it
@@ -408,6 +417,7 @@ class PolicyLoop:
             stitched = replace(stitched, positions=limits.positions)
             self._stitcher.commit(stitched)     # the next chunk joins what was published
         send = self._publish(stitched)
+        prepared = self._timer()
         try:
             if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
                 return  # stopped, or the clock went back: never publish into the new time
@@ -420,8 +430,13 @@ class PolicyLoop:
         delay = None
         if self._debug:
             after = None if mark is None else self._runqueue_wait()
+            parts = getattr(chunk, 'timings_ms', None) or {}
             delay = DelayClues(wake_late, None if after is None else after - mark,
-                               published - called, self.tail_stall, self.stalled_threads)
+                               published - called, self.tail_stall, self.stalled_threads,
+                               start_late=start_late, observe=observed - started,
+                               preprocess=_seconds(parts.get('preprocess')),
+                               model=_seconds(parts.get('model')),
+                               after_predict=prepared - predicted)
         self._record(tick, observation, chunk, stitched, published, delay, limits)
 
     def _limit(self, stitched: StitchedChunk, measured, publish_at: float):

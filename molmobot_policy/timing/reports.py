@@ -31,6 +31,15 @@ class DelayClues:
             (None: no polling tail, i.e. inference ran past the deadline).
         stalled_threads: where the process's other threads were when that gap ended, if it
             was longer than `timing.loop.STALL_TRACE_S` ('' otherwise; `loop.other_threads`).
+        The tick's earlier parts, for a publish late because the work overran its lead
+        (start_at -> publish = start_late + observe + the inference + after_predict + the
+        deadline wait + publish_call):
+        start_late: the clock when the tick's work began - the tick's `start_at`.
+        observe: building the observation (`observe`: the frames' copy or decode, the sync).
+        preprocess, model: the engine's own split of the inference (`ActionChunk.timings_ms`
+            'preprocess' / 'model'; None where the engine gives none): the host part before
+            the model, and the model up to its actions on the host.
+        after_predict: the inference's end -> the deadline wait (stitch, limits, message).
     """
 
     wake_late: Optional[float]
@@ -38,6 +47,11 @@ class DelayClues:
     publish_call: float
     tail_stall: Optional[float] = None
     stalled_threads: str = ''
+    start_late: Optional[float] = None
+    observe: Optional[float] = None
+    preprocess: Optional[float] = None
+    model: Optional[float] = None
+    after_predict: Optional[float] = None
 
 
 @dataclass(frozen=True)
