@@ -375,7 +375,11 @@ def publish_delay(chunks: list[dict]) -> dict:
     for place in stalls:
         places[place.split(': ', 1)[0]].add(place)
     parked = sorted(name for name, seen in places.items() if len(seen) == 1)
+    accounts = [dict(item.split('=') for item in c[ChunkInfo.STALL_ACCOUNT].split())
+                for c in chunks if c.get(ChunkInfo.STALL_ACCOUNT)]
     return {'late_chunks': len(late), 'late_ms': LATE_MS,
+            'stall_accounts': {key: summary([float(a[key]) for a in accounts])
+                               for key in (accounts[0] if accounts else {})},
             'stalled_threads': [(place, n) for place, n in stalls.most_common()
                                 if place.split(': ', 1)[0] not in parked][:STALL_PLACES],
             'parked_threads': parked,
@@ -546,6 +550,13 @@ def print_table(run: dict) -> None:
                 print(f"  {n:5d}  {place}")
             print('  always in one place (parked): ' + (', '.join(delay['parked_threads'])
                                                         or 'none'))
+        accounts = delay.get('stall_accounts')
+        if accounts:
+            n = next(iter(accounts.values()))['n']
+            print(f"the worker's own accounts over those {n} stalls, p50 / max (on a CPU, on a "
+                  "run queue, neither = asleep: the GIL, a lock, or the virtual CPU not run):")
+            print('  ' + ', '.join(f"{key} {a['p50']:g} / {a['max']:g}"
+                                   for key, a in accounts.items()))
     print('CPU % (100 = one core): ' + ', '.join(f'{k} {v:.1f}'
                                                   for k, v in r['cpu_percent'].items()))
     jitter = r['publish_jitter_ms']
@@ -726,7 +737,8 @@ def run_benchmark(args, recorder, processes, out) -> int:
     chunks = recorder.chunks_between(start, end)
     results['per_chunk'] = {key: [c.get(key) for c in chunks] for key in (
         'tick', 'publish_jitter_ms', 'observation_age_ms', 'inference_ms', 'dropped',
-        'frames_decoded', 'decode_ms') + DELAY_KEYS + (ChunkInfo.STALLED_THREADS,)}
+        'frames_decoded', 'decode_ms') + DELAY_KEYS + (ChunkInfo.STALLED_THREADS,
+                                                       ChunkInfo.STALL_ACCOUNT)}
     run = {**common.provenance(), 'ros_domain_id': os.environ.get('ROS_DOMAIN_ID'),
            'fastdds_default_profiles_file': os.environ.get('FASTDDS_DEFAULT_PROFILES_FILE'),
            'config': {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -34,3 +34,15 @@ def test_stalls_name_the_moving_thread_and_list_the_parked_ones():
                                         ('MainThread: publish rclpy/publisher.py:72', 1)]
     assert delay['late'][ChunkInfo.TAIL_STALL_MS]['max'] == 3.3
     assert delay['all'][ChunkInfo.TAIL_STALL_MS]['n'] == 4
+
+
+def test_the_workers_stall_accounts_are_summarized_over_the_stalls():
+    chunks = [_chunk(0.3, '0.400'), _chunk(3.1, '2.800'), _chunk(1.5, '1.300')]
+    chunks[1][ChunkInfo.STALL_ACCOUNT] = ('on_cpu_ms=0.100 runqueue_ms=0.000 csw_voluntary=1 '
+                                          'csw_involuntary=0 faults_minor=0 faults_major=0')
+    chunks[2][ChunkInfo.STALL_ACCOUNT] = ('on_cpu_ms=1.200 runqueue_ms=0.050 csw_voluntary=0 '
+                                          'csw_involuntary=1 faults_minor=4 faults_major=0')
+    accounts = bench.publish_delay(chunks)['stall_accounts']
+    assert accounts['on_cpu_ms']['n'] == 2 and accounts['on_cpu_ms']['max'] == 1.2
+    assert accounts['faults_minor']['max'] == 4 and accounts['csw_voluntary']['p50'] == 0.5
+    assert bench.publish_delay(chunks[:1])['stall_accounts'] == {}

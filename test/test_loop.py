@@ -210,6 +210,7 @@ def test_a_stalled_deadline_poll_is_measured_and_names_the_other_threads():
         holder.join()
     assert loop.tail_stall == pytest.approx(0.003, abs=5 * TICK)
     assert 'holder: wait ' in loop.stalled_threads
+    assert loop.stall_account.startswith('on_cpu_ms=')    # the worker's own accounts
     assert '/threading.py:' in loop.stalled_threads      # package/module, not a bare name
 
 
@@ -218,7 +219,23 @@ def test_a_smooth_deadline_poll_names_no_threads():
     loop = make_loop(clock, FakeEvent(clock), debug_timing=True)
     assert loop.wait_until(clock() + 0.03) is Wait.REACHED
     assert 0.0 < loop.tail_stall < STALL_TRACE_S
-    assert loop.stalled_threads == ''
+    assert loop.stalled_threads == '' and loop.stall_account == ''
+
+
+def test_a_stalls_account_is_the_difference_of_the_reads_around_the_gap():
+    """The account read at each clock read of the tail: the stall's is the difference of
+    the reads just before and just after its gap."""
+    clock = StallingClock(at=0.03 - 0.5 * BUSY_WAIT_S, stall=0.003)
+    reads = []
+
+    def account():
+        reads.append(clock.t)
+        return (clock.t, 0.0, len(reads), 0, 0, 0)
+    loop = make_loop(clock, FakeEvent(clock), debug_timing=True, account=account)
+    assert loop.wait_until(clock.t + 0.03) is Wait.REACHED
+    on_cpu_ms = float(loop.stall_account.split()[0].split('=')[1])
+    assert on_cpu_ms == pytest.approx(3.0, abs=0.05)        # the fake: time on a CPU = clock
+    assert 'csw_voluntary=1 ' in loop.stall_account         # consecutive reads
 
 
 def test_without_debug_timing_the_waits_measure_nothing():
@@ -645,6 +662,29 @@ def test_a_refused_measurement_skips_the_tick_before_stitching():
     assert robot.sent == []
     assert recorder.skips and "['j3']" in recorder.skips[0][1]
     assert stitcher.previous is None
+
+
+def test_the_lead_covers_the_chunks_preparation_after_inference():
+    """Building the messages (publish's preparation, 20 ms here) runs between inference and
+    the deadline wait: the lead is measured over it too."""
+    from molmobot_policy.timing.loop import LATENCY_MARGIN, SETTLE_SAMPLES
+
+    def slow_predict(robot):
+        def call(observation):
+            robot.clock.t += 0.05
+            return Robot.predict(robot, observation)
+        return call
+
+    def slow_publish(robot):
+        def call(chunk):
+            robot.clock.t += 0.02
+            return Robot.publish(robot, chunk)
+        return call
+    loop, robot, recorder = run(chunks=SETTLE_SAMPLES + 8,
+                                robot_changes={'predict': slow_predict,
+                                               'publish': slow_publish})
+    assert loop.latency.estimate() == pytest.approx(0.07, abs=1e-3)
+    assert loop.latency.lead() == pytest.approx(0.07 * LATENCY_MARGIN, abs=1e-3)
 
 
 def test_the_lead_covers_building_the_observation_as_well_as_inference():

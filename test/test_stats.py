@@ -110,3 +110,22 @@ def test_runqueue_wait_is_none_for_an_unreadable_schedstat(tmp_path, text):
     schedstat.write_text(text)
     assert runqueue_wait_s(str(schedstat)) is None
     assert runqueue_wait_s(str(tmp_path / 'missing')) is None
+
+
+def test_thread_account_reads_schedstat_times_and_the_threads_rusage(tmp_path):
+    from molmobot_policy.timing.stats import thread_account
+    schedstat = tmp_path / 'schedstat'
+    schedstat.write_text('2500000 64325 17\n')
+    account = thread_account(str(schedstat))
+    assert account[:2] == (pytest.approx(2.5e-3), pytest.approx(64325e-9))
+    assert all(isinstance(n, int) and n >= 0 for n in account[2:]) and len(account) == 6
+    assert thread_account(str(tmp_path / 'missing')) is None
+
+
+def test_account_difference_names_each_part_of_a_stall():
+    from molmobot_policy.timing.stats import account_difference
+    before, after = (1.0, 0.5, 10, 2, 100, 0), (1.0021, 0.5004, 11, 2, 103, 1)
+    assert account_difference(before, after) == (
+        'on_cpu_ms=2.100 runqueue_ms=0.400 csw_voluntary=1 csw_involuntary=0 '
+        'faults_minor=3 faults_major=1')
+    assert account_difference(None, after) == '' and account_difference(before, None) == ''

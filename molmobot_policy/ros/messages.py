@@ -49,6 +49,7 @@ class ChunkInfo:
     DELAY = (WAKE_LATE_MS, RUNQUEUE_WAIT_MS, PUBLISH_CALL_MS, TAIL_STALL_MS, START_LATE_MS,
              OBSERVE_MS, PREPROCESS_MS, MODEL_MS, AFTER_PREDICT_MS)
     STALLED_THREADS = 'stalled_threads'     # the other threads after a gap > 1 ms (if any)
+    STALL_ACCOUNT = 'stall_account'         # the worker's accounts over that gap (if any)
 
 
 def stamp_seconds(stamp) -> float:
@@ -137,5 +138,7 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
                        ChunkInfo.AFTER_PREDICT_MS: _ms(report.delay.after_predict)})
         if report.delay.stalled_threads:
             values[ChunkInfo.STALLED_THREADS] = report.delay.stalled_threads
+        if report.delay.stall_account:
+            values[ChunkInfo.STALL_ACCOUNT] = report.delay.stall_account
     return DiagnosticStatus(level=DiagnosticStatus.OK, name=f'{name}: chunk', hardware_id=name,
                             message=f'chunk {report.count}', values=key_values(values))

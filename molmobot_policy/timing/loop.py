@@ -2,8 +2,8 @@
 
 Timing model (DESIGN.md, "Timing model"): ticks come from a `DeadlineScheduler` with the
 deadlines `t0 + k * chunk_period` (seconds, the injected clock: ROS time, so sim time
-works). A tick's work (building the observation, decoding its frames, and inference) starts
-`lead` seconds before its deadline, the lead being the measured p99 of that work's wall time
+works). A tick's work (building the observation, decoding its frames, inference, and
+stitching, limiting and building the messages) starts `lead` seconds before its deadline, the lead being the measured p99 of that work's wall time
 times a margin (`LatencyEstimator`, `latency_estimator`), capped at
 MAX_LEAD_FRACTION of the period; until enough samples, the engine's measured warm-up
 inference time times the margin. The worker takes the newest observation (`observe`),
@@ -56,7 +56,7 @@ from molmobot_policy.timing.latency import LatencyEstimator
 from molmobot_policy.timing.motion import MotionLimiter
 from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
 from molmobot_policy.timing.scheduler import DeadlineScheduler, ObservationGate, Tick
-from molmobot_policy.timing.stats import runqueue_wait_s
+from molmobot_policy.timing.stats import account_difference, runqueue_wait_s, thread_account
 from molmobot_policy.types import ActionChunk, Observation
 
 POLL_S = 0.05               # longest single wait (stop, sim time and clock jump checks)
@@ -209,8 +209,11 @@ class PolicyLoop:
         debug_timing: measure `DelayClues` per chunk.
         stop_event: the event `stop()` sets and the waits block on (`threading.Event`
             interface: set, is_set, wait(timeout) -> bool); default a new Event.
-        timer: () -> float, seconds; wall clock timing `observe` + `predict` for the lead.
+        timer: () -> float, seconds; wall clock timing the work before the deadline wait
+            (`observe`, `predict`, stitching, limits, `publish`'s message) for the lead.
         runqueue_wait: () -> float | None, the thread's run-queue wait so far, s.
+        account: () -> tuple | None, the thread's `stats.thread_account` (debug_timing: read
+            at each clock read of a polling tail, to split its longest gap).
         quiet: the `QuietWindow` opened for each deadline poll and send (default a private
             one, which no other thread waits on).
     Raises:
@@ -227,6 +230,7 @@ class PolicyLoop:
                  sim_time: Callable[[], bool] = lambda: False, debug_timing: bool = False,
                  stop_event=None, timer: Callable[[], float] = time.perf_counter,
                  runqueue_wait: Callable[[], Optional[float]] = runqueue_wait_s,
+                 account: Callable[[], Optional[tuple]] = thread_account,
                  limiter: Optional[MotionLimiter] = None,
                  measured: Optional[Callable[[], tuple]] = None,
                  latency: Optional[LatencyEstimator] = None,
@@ -239,7 +243,7 @@ class PolicyLoop:
         self._events = events or LoopEvents()
         self._sim_time, self._debug = sim_time, bool(debug_timing)
         self._stop = stop_event if stop_event is not None else threading.Event()
-        self._timer, self._runqueue_wait = timer, runqueue_wait
+        self._timer, self._runqueue_wait, self._account = timer, runqueue_wait, account
         self.quiet = quiet if quiet is not None else QuietWindow()
         if limiter is not None and measured is None:
             raise ValueError('a limiter needs `measured`, the measured joint positions')
@@ -253,6 +257,7 @@ class PolicyLoop:
         self.wake_late: Optional[float] = None   # s, the last timed wait's lateness
         self.tail_stall: Optional[float] = None  # s, the polling tail's longest gap
         self.stalled_threads = ''                # other_threads() after that gap
+        self.stall_account = ''                  # the worker's accounts over that gap
         self.runqueue_mark: Optional[float] = None   # s, run-queue wait before that wait
         self._thread: Optional[threading.Thread] = None
 
@@ -288,22 +293,27 @@ class PolicyLoop:
         on the system clock; both None otherwise, or without a timed wait. Also, there,
         `tail_stall` (s): the longest gap between two clock reads of the polling tail (None:
         no tail), and `stalled_threads` (`other_threads()` at the end of that gap when it
-        exceeds STALL_TRACE_S, else ''): a gap is the GIL held elsewhere or the CPU lost.
+        exceeds STALL_TRACE_S, else ''): a gap is the GIL held elsewhere or the CPU lost;
+        with it `stall_account`, the worker's own accounts over that gap
+        (`stats.account_difference` of `account()` read at each clock read of the tail:
+        on a CPU, on a run queue, neither; context switches; page faults).
         """
         sim = self._sim_time()
         tail = 0.0 if sim else BUSY_WAIT_S
         measure = self._debug and not sim
         self.wake_late = self.runqueue_mark = None
-        self.tail_stall, self.stalled_threads = None, ''
-        aim = polled = None
+        self.tail_stall, self.stalled_threads, self.stall_account = None, '', ''
+        aim = polled = accounted = None
         while not self._stop.is_set():
             now = self._now()
             if measure and polled is not None:      # in the polling tail
                 gap = now - polled
+                previous, accounted = accounted, self._account()
                 if gap > (self.tail_stall or 0.0):
                     self.tail_stall = gap
                     if gap > STALL_TRACE_S:
                         self.stalled_threads = other_threads()
+                        self.stall_account = account_difference(previous, accounted)
             if self._jumped is not None:
                 return Wait.CLOCK_JUMPED
             if aim is not None and measure:
@@ -322,6 +332,8 @@ class PolicyLoop:
             else:
                 if quiet and not self.quiet.open:
                     self.quiet.enter()
+                if measure and accounted is None:       # the tail's first clock read
+                    accounted = self._account()
                 polled = now
                 time.sleep(0)
         return Wait.STOPPED
@@ -381,7 +393,8 @@ class PolicyLoop:
 
     def _tick(self, tick: Tick) -> None:
         # the lead covers building the observation (decoding its frames: ~6 ms per 480x640
-        # jpeg) as well as the inference: both run between the tick's start and its deadline
+        # jpeg), the inference and the chunk's preparation: all run between the tick's start
+        # and its deadline
         started = self._timer()
         now = self._now()
         start_late = now - tick.start_at if self._debug and not self._sim_time() else None
@@ -397,27 +410,15 @@ class PolicyLoop:
         except ValueError as error:
             return self._skip(tick, f'engine refused observation: {error}')
         predicted = self._timer()
-        self.latency.record(predicted - started)
         self.stats.inference_ms.add(chunk.inference_ms)
-        # actions before the publish time are dropped; the publish time is the deadline
-        # unless inference overran it
-        publish_at = max(self._now(), tick.deadline)
-        try:        # before stitching: a refused measurement leaves the stitcher as it was
-            measured = self._measured() if self._limiter is not None else None
-        except ValueError as error:
-            return self._skip(tick, str(error))
-        actions = self._to_joints(np.asarray(chunk.actions, dtype=np.float64))
-        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
-        self.stats.dropped_actions += stitched.dropped
-        if len(stitched) == 0:
-            return self._skip(tick, f'all {stitched.dropped} actions were in the past at '
-                                    'publish time', counted=False)
-        limits = self._limit(stitched, measured, publish_at)
-        if limits is not None:
-            stitched = replace(stitched, positions=limits.positions)
-            self._stitcher.commit(stitched)     # the next chunk joins what was published
-        send = self._publish(stitched)
-        prepared = self._timer()
+        try:    # the lead covers the work up to the deadline wait, skipped or not
+            prepared_chunk = self._prepare(tick, observation, chunk)
+        finally:
+            prepared = self._timer()
+            self.latency.record(prepared - started)
+        if prepared_chunk is None:
+            return
+        send, stitched, limits = prepared_chunk
         try:
             if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
                 return  # stopped, or the clock went back: never publish into the new time
@@ -433,11 +434,37 @@ class PolicyLoop:
             parts = getattr(chunk, 'timings_ms', None) or {}
             delay = DelayClues(wake_late, None if after is None else after - mark,
                                published - called, self.tail_stall, self.stalled_threads,
+                               stall_account=self.stall_account,
                                start_late=start_late, observe=observed - started,
                                preprocess=_seconds(parts.get('preprocess')),
                                model=_seconds(parts.get('model')),
                                after_predict=prepared - predicted)
         self._record(tick, observation, chunk, stitched, published, delay, limits)
+
+    def _prepare(self, tick: Tick, observation: Observation, chunk: ActionChunk):
+        """The chunk stitched, limited and made into its messages: (the send callable, the
+        stitched chunk, the limiter's `LimitedPoints` or None), or None where the tick was
+        skipped (reported here)."""
+        # actions before the publish time are dropped; the publish time is the deadline
+        # unless inference overran it
+        publish_at = max(self._now(), tick.deadline)
+        try:        # before stitching: a refused measurement leaves the stitcher as it was
+            measured = self._measured() if self._limiter is not None else None
+        except ValueError as error:
+            self._skip(tick, str(error))
+            return None
+        actions = self._to_joints(np.asarray(chunk.actions, dtype=np.float64))
+        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
+        self.stats.dropped_actions += stitched.dropped
+        if len(stitched) == 0:
+            self._skip(tick, f'all {stitched.dropped} actions were in the past at publish time',
+                       counted=False)
+            return None
+        limits = self._limit(stitched, measured, publish_at)
+        if limits is not None:
+            stitched = replace(stitched, positions=limits.positions)
+            self._stitcher.commit(stitched)     # the next chunk joins what was published
+        return self._publish(stitched), stitched, limits
 
     def _limit(self, stitched: StitchedChunk, measured, publish_at: float):
         """The limiter's `LimitedPoints` for the stitched chunk sent at `publish_at` (None

@@ -31,6 +31,9 @@ class DelayClues:
             (None: no polling tail, i.e. inference ran past the deadline).
         stalled_threads: where the process's other threads were when that gap ended, if it
             was longer than `timing.loop.STALL_TRACE_S` ('' otherwise; `loop.other_threads`).
+        stall_account: the worker's own accounts over that gap, if it was longer than
+            STALL_TRACE_S ('' otherwise; `timing.stats.account_difference`: on a CPU, on a run
+            queue, context switches, page faults).
         The tick's earlier parts, for a publish late because the work overran its lead
         (start_at -> publish = start_late + observe + the inference + after_predict + the
         deadline wait + publish_call):
@@ -47,6 +50,7 @@ class DelayClues:
     publish_call: float
     tail_stall: Optional[float] = None
     stalled_threads: str = ''
+    stall_account: str = ''
     start_late: Optional[float] = None
     observe: Optional[float] = None
     preprocess: Optional[float] = None
