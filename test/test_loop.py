@@ -8,7 +8,11 @@ deadline misses, waiting for sim time to start, and a restart after a clock jump
 from __future__ import annotations
 
 import itertools
+import os
+import resource
+import sys
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -712,3 +716,36 @@ def test_the_lead_covers_building_the_observation_as_well_as_inference():
     sent = [t for t, _ in robot.sent[SETTLE_SAMPLES + 2:]]
     deadlines = [loop.scheduler.deadline(r.tick) for r in recorder.reports[SETTLE_SAMPLES + 2:]]
     assert all(abs(t - d) < 0.005 for t, d in zip(sent, deadlines))
+
+
+@pytest.mark.skipif(not hasattr(os, 'sched_yield') or
+                    not hasattr(resource, 'RUSAGE_THREAD'), reason='Linux only')
+def test_the_polling_tail_yields_without_sleeping_in_the_kernel():
+    """4 ms of polling on the real clock (all inside the BUSY_WAIT_S tail): the worker
+    thread never blocks (`time.sleep(0)`, a timed sleep a virtual machine wakes late, would
+    be one voluntary context switch per poll: thousands here)."""
+    loop = make_loop(time.monotonic, threading.Event(), timer=time.monotonic)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    assert loop.wait_until(time.monotonic() + 0.004) is Wait.REACHED
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before < 20
+
+
+def test_the_polling_tail_gives_the_gil_to_a_waiting_thread():
+    """With a 1 s switch interval, a thread woken while the worker polls runs within the
+    poll (a poll that kept the GIL would make it wait out the interval)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    lock, ran = threading.Lock(), []
+    lock.acquire()
+    waiter = threading.Thread(target=lambda: (lock.acquire(), ran.append(time.monotonic())))
+    waiter.start()
+    try:
+        time.sleep(0.05)                      # the waiter blocks on the lock
+        loop = make_loop(time.monotonic, threading.Event(), timer=time.monotonic)
+        released = time.monotonic()
+        lock.release()
+        loop.wait_until(released + 0.005)     # polling only
+        waiter.join(timeout=2.0)
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran and ran[0] - released < 0.005

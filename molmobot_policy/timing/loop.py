@@ -16,8 +16,11 @@ executes at `observation.stamp + k * control_period`.
 
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
 after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
-before the target and the worker then polls the clock, yielding the GIL (`time.sleep(0)`)
-between reads, so the wake-up is not late by a timed wait's slack or a late timer. While it
+before the target and the worker then polls the clock, yielding the GIL and the CPU
+(`os.sched_yield`, `yield_cpu`) between reads, so the wake-up is not late by a timed wait's
+slack or a late timer. Not `time.sleep(0)`: that is a timed sleep in the kernel (a
+voluntary context switch at every call) whose wake-up a virtual machine delivers as late as
+any other timer's, 1-2.4 ms in the H200 runs (docs/decisions/node-worker-timing.md). While it
 polls for a deadline and sends, its `QuietWindow` is open: threads that wait it out (the
 node's executor, before each callback) leave it the GIL.
 
@@ -120,6 +123,19 @@ def _short_path(path: str) -> str:
     """'package/module.py' of a source path: enough to tell rclpy's executors.py from ours."""
     folder, name = os.path.split(path)
     return f'{os.path.basename(folder)}/{name}' if folder else name
+
+
+def yield_cpu() -> None:
+    """Give the GIL and the CPU away for a moment without a timed sleep: `os.sched_yield`
+    (it releases the GIL around the call and returns at once when no other thread waits for
+    the CPU); `time.sleep(0)` where the platform has none."""
+    if _SCHED_YIELD is not None:
+        _SCHED_YIELD()
+    else:
+        time.sleep(0)
+
+
+_SCHED_YIELD = getattr(os, 'sched_yield', None)
 
 
 def _seconds(ms) -> Optional[float]:
@@ -335,7 +351,7 @@ class PolicyLoop:
                 if measure and accounted is None:       # the tail's first clock read
                     accounted = self._account()
                 polled = now
-                time.sleep(0)
+                yield_cpu()
         return Wait.STOPPED
 
     # ------------------------------------------------------------------ loop
