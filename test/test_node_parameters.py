@@ -407,3 +407,29 @@ def test_bad_buckets_are_refused_naming_the_value_given(ros_context, tmp_path):
     assert config is None
     assert any("parameter 'buckets': [1.5, 2.5] is not a list of prompt lengths" in e
                for e in errors), errors
+
+
+def test_an_integer_set_at_run_time_for_a_float_parameter_is_taken_as_that_float(ros_context):
+    """`ros2 param set <node> diag_min_camera_rate 2` sends the integer 2: the node takes it
+    as 2.0 (rclpy alone refuses it: "Wrong parameter type, expected '3' got '2'"); a value of
+    another type is still refused, and a float list takes integers too."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_widen')
+    try:
+        result = node.set_parameters([Parameter('diag_min_camera_rate', value=2)])[0]
+        assert result.successful, result.reason
+        value = node.get_parameter('diag_min_camera_rate').value
+        assert isinstance(value, float) and value == 2.0
+        refused = node.set_parameters([Parameter('diag_min_camera_rate', value='fast')])[0]
+        assert not refused.successful
+        assert node.get_parameter('diag_min_camera_rate').value == 2.0
+    finally:
+        node.destroy_node()
+
+
+def test_widen_integers_leaves_every_other_parameter_as_it_came():
+    from molmobot_policy.ros.parameters import widen_integers
+    given = [Parameter('diag_min_camera_rate', value=3), Parameter('autostart', value=True),
+             Parameter('not_a_parameter', value=4), Parameter('chunk_period', value=0.1)]
+    widened = widen_integers(given)
+    assert widened[0].type_ == Parameter.Type.DOUBLE and widened[0].value == 3.0
+    assert widened[1:] == given[1:]

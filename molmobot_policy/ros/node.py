@@ -42,7 +42,8 @@ from molmobot_policy.ros.param_files import unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
-                                            chunk_stitcher, declare_parameters, motion_limiter)
+                                            chunk_stitcher, declare_parameters, motion_limiter,
+                                            widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
@@ -97,6 +98,8 @@ class PolicyNode(LifecycleNode):
         self._diagnostics: Updater | None = None        # while active
         self._idle = IdleStatus(self, self._param)      # while not active
         declare_parameters(self)
+        if hasattr(self, 'add_pre_set_parameters_callback'):     # rclpy >= Iron
+            self.add_pre_set_parameters_callback(widen_integers)
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._idle.set(WARN, 'unconfigured: no commands are sent (configure, then activate)')
 

@@ -18,6 +18,7 @@ import numpy as np
 from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
                                 ParameterType)
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+from rclpy.parameter import Parameter
 
 from molmobot_policy.timing import ChunkStitcher, MotionLimiter
 
@@ -253,6 +254,29 @@ def declare_parameters(node) -> None:
                                                   f'; {_range_text(descriptor)})') from None
             raise ParameterError(name, value, _type_expectation(default, value, descriptor)
                                  + f'): {error}') from None
+
+
+def widen_integers(parameters: list) -> list:
+    """rclpy pre-set parameters callback (`Node.add_pre_set_parameters_callback`): a run-time
+    integer for a float parameter becomes that float (`ros2 param set <node> name 2` sends
+    the integer 2, which rclpy would refuse as "Wrong parameter type, expected '3' got '2'"),
+    an integer list for a float-list parameter a float list. Every other value, and every
+    parameter not in PARAMETERS, passes unchanged: rclpy's own checks (type, range, read
+    only) and the node's then run as usual.
+
+    parameters: list of rclpy.parameter.Parameter. Returns a list of the same length.
+    """
+    widened = []
+    for parameter in parameters:
+        declared = PARAMETERS.get(parameter.name)
+        kind = declared[1].type if declared is not None else None
+        if kind == _D and parameter.type_ == Parameter.Type.INTEGER:
+            parameter = Parameter(parameter.name, Parameter.Type.DOUBLE, float(parameter.value))
+        elif kind == _DA and parameter.type_ == Parameter.Type.INTEGER_ARRAY:
+            parameter = Parameter(parameter.name, Parameter.Type.DOUBLE_ARRAY,
+                                  [float(v) for v in parameter.value])
+        widened.append(parameter)
+    return widened
 
 
 def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:
