@@ -3,10 +3,10 @@
 Timing model (DESIGN.md, "Timing model"): ticks come from a `DeadlineScheduler` with the
 deadlines `t0 + k * chunk_period` (seconds, the injected clock: ROS time, so sim time
 works). A tick's work (building the observation, decoding its frames, inference, and
-stitching, limiting and building the messages) starts `lead` seconds before its deadline, the lead being the measured p99 of that work's wall time
-times a margin (`LatencyEstimator`, `latency_estimator`), capped at
-MAX_LEAD_FRACTION of the period; until enough samples, the engine's measured warm-up
-inference time times the margin. The worker takes the newest observation (`observe`),
+stitching, limiting and building the messages) starts `lead` seconds before its deadline,
+the lead being the measured p99 of that work's wall time times a margin
+(`LatencyEstimator`, `latency_estimator`), capped at MAX_LEAD_FRACTION of the period;
+until enough samples, the engine's measured warm-up inference time times the margin. The worker takes the newest observation (`observe`),
 refuses one not newer than the last used (`ObservationGate`), runs `predict`, drops the
 actions already in the past at publish time and joins the chunk to the previous one
 (`ChunkStitcher`), anchors the points to the measured joint state within the velocity and
@@ -125,6 +125,9 @@ def _short_path(path: str) -> str:
     return f'{os.path.basename(folder)}/{name}' if folder else name
 
 
+_SCHED_YIELD = getattr(os, 'sched_yield', None)
+
+
 def yield_cpu() -> None:
     """Give the GIL and the CPU away for a moment without a timed sleep: `os.sched_yield`
     (it releases the GIL around the call and returns at once when no other thread waits for
@@ -133,9 +136,6 @@ def yield_cpu() -> None:
         _SCHED_YIELD()
     else:
         time.sleep(0)
-
-
-_SCHED_YIELD = getattr(os, 'sched_yield', None)
 
 
 def _seconds(ms) -> Optional[float]:
