@@ -412,15 +412,19 @@ def test_bad_buckets_are_refused_naming_the_value_given(ros_context, tmp_path):
 def test_an_integer_set_at_run_time_for_a_float_parameter_is_taken_as_that_float(ros_context):
     """`ros2 param set <node> diag_min_camera_rate 2` sends the integer 2: the node takes it
     as 2.0 (rclpy alone refuses it: "Wrong parameter type, expected '3' got '2'"); a value of
-    another type is still refused, and a float list takes integers too."""
+    another type is still refused, and the node's log says what was expected."""
     node = _node(ros_context, [Parameter('autostart', value=False)], 'param_widen')
     try:
         result = node.set_parameters([Parameter('diag_min_camera_rate', value=2)])[0]
         assert result.successful, result.reason
         value = node.get_parameter('diag_min_camera_rate').value
         assert isinstance(value, float) and value == 2.0
+        warnings = []
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
         refused = node.set_parameters([Parameter('diag_min_camera_rate', value='fast')])[0]
         assert not refused.successful
+        assert any("'diag_min_camera_rate': 'fast' is not a valid float" in w
+                   and 'write a number' in w for w in warnings), warnings
         assert node.get_parameter('diag_min_camera_rate').value == 2.0
     finally:
         node.destroy_node()

@@ -43,7 +43,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters, motion_limiter,
-                                            widen_integers)
+                                            type_mismatches, widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
@@ -99,7 +99,7 @@ class PolicyNode(LifecycleNode):
         self._idle = IdleStatus(self, self._param)      # while not active
         declare_parameters(self)
         if hasattr(self, 'add_pre_set_parameters_callback'):     # rclpy >= Iron
-            self.add_pre_set_parameters_callback(widen_integers)
+            self.add_pre_set_parameters_callback(self._before_set_parameters)
         self.add_on_set_parameters_callback(self._validate_parameters)
         self._idle.set(WARN, 'unconfigured: no commands are sent (configure, then activate)')
 
@@ -118,6 +118,14 @@ class PolicyNode(LifecycleNode):
             if problem:
                 mode['camera_receiver'] += f'; {problem}'
         return mode
+
+    def _before_set_parameters(self, parameters) -> list:
+        """rclpy's pre-set callback: an integer for a float parameter taken as that float;
+        a value of another wrong type logged with what was expected (rclpy refuses it)."""
+        parameters = widen_integers(parameters)
+        for problem in type_mismatches(parameters):
+            self.get_logger().warning(f'refused run-time set: {problem}')
+        return parameters
 
     def _validate_parameters(self, parameters) -> SetParametersResult:
         for p in parameters:

@@ -279,6 +279,24 @@ def widen_integers(parameters: list) -> list:
     return widened
 
 
+def type_mismatches(parameters: list) -> list[str]:
+    """For a run-time set (after `widen_integers`): one message per parameter of PARAMETERS
+    given a value of another type than declared, e.g. "parameter 'diag_min_camera_rate':
+    'fast' is not a valid float (...)", the way a parameter file's is reported (rclpy then
+    refuses it with only "Wrong parameter type, expected '3' got '4'"). Dynamically typed
+    parameters and unknown names give none. parameters: list of rclpy.parameter.Parameter."""
+    problems = []
+    for parameter in parameters:
+        declared = PARAMETERS.get(parameter.name)
+        if declared is None or declared[1].dynamic_typing:
+            continue
+        default, descriptor = declared
+        if parameter.type_.value != descriptor.type:
+            problems.append(f"parameter '{parameter.name}': {parameter.value!r} "
+                            + _type_expectation(default, parameter.value, descriptor) + ')')
+    return problems
+
+
 def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:
     """'is not a valid <type> (<description>; <constraints, hints, range>' for `value`."""
     text = f'is not a valid {type(default).__name__} ({descriptor.description}'
