@@ -204,3 +204,27 @@ def test_without_clock_inputs_are_refused_for_the_clock_not_for_the_future():
     assert not sync.add_image(CAMERAS[0], _image(), stamp=1796162125.7, received=0.0)
     problem = sync.stats(0.0)[CAMERAS[0]].problem
     assert 'clock has not started' in problem and 'future' not in problem
+
+
+def test_a_problem_that_flaps_keeps_its_start_until_the_input_stays_good():
+    """A joint driver sending a NaN every other message (good ones between): the problem's
+    age counts from the first NaN, so diagnostics escalate it as a steady one; after
+    PROBLEM_CLEAR_S of good messages only, a new problem is timed afresh."""
+    from molmobot_policy.ros.synchronizer import PROBLEM_CLEAR_S
+    sync = _sync()
+    names = list(sync.joint_names)
+    t = 10.0
+    while t < 11.0:
+        sync.add_joint_state(names, [float('nan')] + [0.0] * (len(names) - 1), t, t)
+        sync.add_joint_state(names, [0.0] * len(names), t + 0.005, t + 0.005)
+        t += 0.01
+    sync.add_joint_state(names, [float('nan')] + [0.0] * (len(names) - 1), t, t)
+    stats = sync.stats(t)['/joint_states']
+    assert 'non-finite' in stats.problem and stats.problem_age == pytest.approx(t - 10.0)
+    good_until = t + PROBLEM_CLEAR_S + 0.01
+    while t < good_until:
+        t += 0.01
+        sync.add_joint_state(names, [0.0] * len(names), t, t)
+    assert sync.stats(t)['/joint_states'].problem_age is None
+    sync.add_joint_state(names, [float('nan')] + [0.0] * (len(names) - 1), t + 0.01, t + 0.01)
+    assert sync.stats(t + 0.11)['/joint_states'].problem_age == pytest.approx(0.1)

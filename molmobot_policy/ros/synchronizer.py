@@ -27,6 +27,10 @@ from molmobot_policy.ros.codec import decode_image
 from molmobot_policy.types import Observation
 
 
+PROBLEM_CLEAR_S = 0.2  # an input's problem ends after this long of usable messages only: a
+                       # driver that interleaves bad and good messages (a NaN now and then)
+                       # keeps its problem's start, so its status escalates to ERROR as a
+                       # steady problem does, instead of restarting WARN at each good one
 DECODE_THREADS = 8     # the decode pool: one thread per camera of the 8-camera contract
 _decode_pool: ThreadPoolExecutor | None = None
 _decode_pool_lock = threading.Lock()
@@ -86,8 +90,9 @@ class TopicStats:
         problem: why the newest input cannot be used although messages arrive (a frame
             that failed to decode, a refused stamp, a malformed joint state, configured
             joints never sent); '' when none.
-        problem_age: s the problem has lasted without a usable message in between (None
-            without a problem, or for joints never sent).
+        problem_age: s since the problem began (None without a problem, or for joints
+            never sent); usable messages in between end it only after PROBLEM_CLEAR_S of
+            nothing but usable ones (an input that flaps keeps its start).
         joint_ages: the joint state topic only: s since each configured joint's newest
             stamp (a joint its driver stopped publishing is older than the rest); else None.
     """
@@ -176,6 +181,7 @@ class ObservationSynchronizer:
         self._problems: dict[str, str] = {}        # per input, why its newest message is unusable
         self._refused: dict[str, str] = {}         # per input, why its last message was not stored
         self._problem_since: dict[str, float] = {}  # per input, when its problem began
+        self._clean_since: dict[str, float] = {}    # ... and its first usable message after
         self._refused_layout: dict[str, tuple] = {}  # per camera, `frame_layout` of the frame
                                                      # that failed to decode
         self._seq = 0
@@ -361,14 +367,20 @@ class ObservationSynchronizer:
 
     def _note_problem(self, table: dict, topic: str, problem: str, t: float) -> None:
         """Set (`problem` non-empty) or clear `topic`'s entry of `table` (self._refused or
-        self._problems), keeping when the topic's problems began. Holds the lock."""
+        self._problems), keeping when the topic's problems began until its messages have
+        been usable for PROBLEM_CLEAR_S (time `t`, s). Holds the lock."""
         if problem:
             table[topic] = problem
             self._problem_since.setdefault(topic, t)
+            self._clean_since.pop(topic, None)
             return
         table.pop(topic, None)
-        if topic not in self._refused and topic not in self._problems:
-            self._problem_since.pop(topic, None)
+        if topic in self._refused or topic in self._problems or \
+                topic not in self._problem_since:
+            return
+        if t - self._clean_since.setdefault(topic, t) >= PROBLEM_CLEAR_S:
+            self._problem_since.pop(topic)
+            self._clean_since.pop(topic)
 
     def reset_history(self) -> None:
         """Forget everything stored and which stamps were used (after a ROS time jump back:
@@ -378,6 +390,7 @@ class ObservationSynchronizer:
             self._joints.clear()
             self._last_stamps = {}
             self._problem_since.clear()      # times of the old timeline
+            self._clean_since.clear()
 
     def _note_receive(self, topic: str, received: float) -> None:
         self._receive_times[topic].append(received)
