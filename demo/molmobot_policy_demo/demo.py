@@ -243,9 +243,13 @@ class Monitor:
     def summary(self) -> str:
         with self.lock:
             not_ok = sorted(n for n, level in self.diagnostics_levels.items() if level != 0)
-            lines = [f'chunks published: {self.trajectories}',
-                     f'inference: {_percentiles(self.inference_ms)}',
-                     f'publish jitter: {_percentiles(self.jitter_ms)}',
+            reported = len(self.inference_ms)
+            lines = [f'chunks published: {self.trajectories} (chunk lines above: {reported}; the '
+                     'last ones may arrive after the stop)'
+                     if reported != self.trajectories else f'chunks published: {reported}',
+                     f'inference over all {reported} chunks: {_percentiles(self.inference_ms)}',
+                     f'publish jitter over all {reported} chunks: {_percentiles(self.jitter_ms)} '
+                     "(/diagnostics' schedule status: over the node's last chunks only)",
                      'diagnostics at WARN/ERROR at the end: ' + (
                          '(inference is WARN because the demo serves random weights; on a '
                          'small, busy CPU the tiny model can also exceed the latency and '
