@@ -133,6 +133,17 @@ def make_loop(clock, event, robot=None, events=None, **kwargs) -> PolicyLoop:
     return PolicyLoop(**{**arguments, **kwargs})
 
 
+def slowed(method: str, seconds: float):
+    """A `run(robot_changes=...)` entry: the `Robot` method after the fake clock advanced
+    `seconds` (the work took that long)."""
+    def change(robot):
+        def call(*args):
+            robot.clock.t += seconds
+            return getattr(Robot, method)(robot, *args)
+        return call
+    return change
+
+
 def run(chunks: int, robot_changes=None, **kwargs):
     """Runs a loop until `chunks` ticks ended (published, skipped or failed)."""
     clock = FakeClock()
@@ -672,21 +683,9 @@ def test_the_lead_covers_the_chunks_preparation_after_inference():
     """Building the messages (publish's preparation, 20 ms here) runs between inference and
     the deadline wait: the lead is measured over it too."""
     from molmobot_policy.timing.loop import LATENCY_MARGIN, SETTLE_SAMPLES
-
-    def slow_predict(robot):
-        def call(observation):
-            robot.clock.t += 0.05
-            return Robot.predict(robot, observation)
-        return call
-
-    def slow_publish(robot):
-        def call(chunk):
-            robot.clock.t += 0.02
-            return Robot.publish(robot, chunk)
-        return call
     loop, robot, recorder = run(chunks=SETTLE_SAMPLES + 8,
-                                robot_changes={'predict': slow_predict,
-                                               'publish': slow_publish})
+                                robot_changes={'predict': slowed('predict', 0.05),
+                                               'publish': slowed('publish', 0.02)})
     assert loop.latency.estimate() == pytest.approx(0.07, abs=1e-3)
     assert loop.latency.lead() == pytest.approx(0.07 * LATENCY_MARGIN, abs=1e-3)
 
@@ -696,21 +695,9 @@ def test_the_lead_covers_building_the_observation_as_well_as_inference():
     runs before inference (50 ms) between the tick's start and its deadline: the lead is
     measured over both, else every chunk is late by the decode time."""
     from molmobot_policy.timing.loop import LATENCY_MARGIN, SETTLE_SAMPLES
-
-    def slow_observe(robot):
-        def call(now):
-            robot.clock.t += 0.03
-            return Robot.observe(robot, now)
-        return call
-
-    def slow_predict(robot):
-        def call(observation):
-            robot.clock.t += 0.05
-            return Robot.predict(robot, observation)
-        return call
     loop, robot, recorder = run(chunks=SETTLE_SAMPLES + 8,
-                                robot_changes={'observe': slow_observe,
-                                               'predict': slow_predict})
+                                robot_changes={'observe': slowed('observe', 0.03),
+                                               'predict': slowed('predict', 0.05)})
     assert loop.latency.estimate() == pytest.approx(0.08, abs=1e-3)
     assert loop.latency.lead() == pytest.approx(0.08 * LATENCY_MARGIN, abs=1e-3)
     sent = [t for t, _ in robot.sent[SETTLE_SAMPLES + 2:]]

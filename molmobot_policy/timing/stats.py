@@ -238,10 +238,17 @@ def runqueue_wait_s(path: str = SCHEDSTAT_PATH) -> float | None:
     Returns None where the file cannot be read or parsed (other systems; kernels without
     CONFIG_SCHED_INFO). One open and read: ~15 us on a 2-core CI machine.
     """
+    times = _schedstat_s(path)
+    return None if times is None else times[1]
+
+
+def _schedstat_s(path: str) -> tuple[float, float] | None:
+    """(time on a CPU s, time on a run queue s) from a schedstat file; None where it cannot
+    be read or parsed."""
     try:
         with open(path, 'rb') as f:
             fields = f.read().split()
-        return int(fields[1]) * 1e-9
+        return int(fields[0]) * 1e-9, int(fields[1]) * 1e-9
     except (OSError, IndexError, ValueError):
         return None
 
@@ -257,14 +264,14 @@ def thread_account(path: str = SCHEDSTAT_PATH) -> tuple | None:
     virtual CPU not running where the kernel leaves steal time out of both). Returns None
     where either source is missing. A read and a system call: ~20 us.
     """
+    times = _schedstat_s(path)
     try:
-        with open(path, 'rb') as f:
-            fields = f.read().split()
         usage = resource.getrusage(resource.RUSAGE_THREAD)
-        return (int(fields[0]) * 1e-9, int(fields[1]) * 1e-9, usage.ru_nvcsw, usage.ru_nivcsw,
-                usage.ru_minflt, usage.ru_majflt)
-    except (OSError, IndexError, ValueError, AttributeError):
+    except (OSError, AttributeError):       # no RUSAGE_THREAD off Linux
         return None
+    if times is None:
+        return None
+    return times + (usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt, usage.ru_majflt)
 
 
 def account_difference(before: tuple | None, after: tuple | None) -> str:
@@ -275,4 +282,3 @@ def account_difference(before: tuple | None, after: tuple | None) -> str:
     d = [b - a for a, b in zip(before, after)]
     return (f'on_cpu_ms={d[0] * 1e3:.3f} runqueue_ms={d[1] * 1e3:.3f} csw_voluntary={d[2]} '
             f'csw_involuntary={d[3]} faults_minor={d[4]} faults_major={d[5]}')
-
