@@ -6,6 +6,7 @@ import re
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
+from rclpy.exceptions import ParameterNotDeclaredException  # noqa: E402
 from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
@@ -426,6 +427,26 @@ def test_an_integer_set_at_run_time_for_a_float_parameter_is_taken_as_that_float
         assert any("'diag_min_camera_rate': 'fast' is not a valid float" in w
                    and 'write a number' in w for w in warnings), warnings
         assert node.get_parameter('diag_min_camera_rate').value == 2.0
+    finally:
+        node.destroy_node()
+
+
+def test_an_unknown_name_set_at_run_time_is_refused_and_logged_with_the_closest_name(
+        ros_context):
+    """rclpy refuses a set of an undeclared name with "Invalid access to undeclared
+    parameter(s): []" (its list comes out empty); the node's log names it and the closest
+    parameter."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_unknown_set')
+    try:
+        warnings = []
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
+        before = node.get_parameter('chunk_period').value
+        with pytest.raises(ParameterNotDeclaredException):
+            node.set_parameters([Parameter('chunk_perod', value=0.2)])
+        assert any("unknown parameter 'chunk_perod' (did you mean 'chunk_period'?)" in w
+                   for w in warnings), warnings
+        assert node.get_parameter('chunk_period').value == before
+        assert not node.has_parameter('chunk_perod')
     finally:
         node.destroy_node()
 

@@ -43,7 +43,8 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters, motion_limiter,
-                                            type_mismatches, widen_integers)
+                                            type_mismatches, undeclared,
+                                            widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
@@ -121,9 +122,10 @@ class PolicyNode(LifecycleNode):
 
     def _before_set_parameters(self, parameters) -> list:
         """rclpy's pre-set callback: an integer for a float parameter taken as that float;
-        a value of another wrong type logged with what was expected (rclpy refuses it)."""
+        a value of another wrong type, or an unknown name, logged with what was expected
+        (rclpy refuses both)."""
         parameters = widen_integers(parameters)
-        for problem in type_mismatches(parameters):
+        for problem in type_mismatches(parameters) + undeclared(parameters, self.has_parameter):
             self.get_logger().warning(f'refused run-time set: {problem}')
         return parameters
 

@@ -319,13 +319,26 @@ def check_unknown_parameters(node) -> None:
     unknown = sorted(n for n in given_parameters(node)
                      if not node.has_parameter(n) and not n.startswith('qos_overrides.'))
     if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
-            hints.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ''))
         raise ValueError(f"unknown parameter(s) for node '{node.get_name()}': "
-                         f"{', '.join(hints)}; see `ros2 param describe` or "
-                         f'molmobot_policy/ros/parameters.py PARAMETERS')
+                         f"{', '.join(_with_closest(n) for n in unknown)}; see `ros2 param "
+                         f'describe` or molmobot_policy/ros/parameters.py PARAMETERS')
+
+
+def _with_closest(name: str) -> str:
+    """"'name'" and the closest declared name, if any: "'chunk_perod' (did you mean
+    'chunk_period'?)"."""
+    close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
+    return f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else '')
+
+
+def undeclared(parameters: list, declared) -> list[str]:
+    """For a run-time set: one message per parameter whose name `declared(name)` (e.g.
+    `node.has_parameter`) does not know, with the closest declared name; rclpy then refuses
+    the set with only "Invalid access to undeclared parameter(s): []" (its list comes out
+    empty). parameters: list of rclpy.parameter.Parameter."""
+    return [f'unknown parameter {_with_closest(p.name)}; `ros2 param list` or '
+            'docs/PARAMETERS.md list the parameters' for p in parameters
+            if not declared(p.name)]
 
 
 def bucket_lengths(value) -> tuple[int, ...]:
