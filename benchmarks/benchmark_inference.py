@@ -62,7 +62,6 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+buckets': dict(opt, **exact, **blocks),
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
-        '+split_attn': dict(opt, llm_attention='split'),   # the LLM's split attention
         '+fp8': dict(opt, quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }

@@ -272,32 +272,6 @@ def test_engine_serves_the_reference_model_within_float_rounding(engine):
                                expected[0].numpy(), atol=1e-5)
 
 
-def test_split_llm_attention_serves_the_reference_model_within_float_rounding(engine):
-    """`llm_attention: split` (two causal attentions merged by log-sum-exp; float32 math on
-    the CPU) against `MolmoBot.generate_actions` with its (L, L) mask, on a padded prompt."""
-    from molmobot_policy.model.checkpoint import random_model
-    split = PolicyEngine(EngineConfig(model='tiny', seed=0, llm_attention='split',
-                                      buckets=(2048,)))
-    assert split.mode['llm_attention'] == 'split (float32 math)'
-    reference = random_model(split.model_config, seed=0)
-    obs = observation()
-    inputs = split.preprocessor(obs)
-    assert not bool(inputs.attention_mask.all())            # the prompt is padded
-    with torch.no_grad():
-        expected = reference.generate_actions(
-            inputs.input_ids, inputs.images, inputs.token_pooling, inputs.states,
-            noise=torch.as_tensor(noise(split))[None], position_ids=inputs.position_ids,
-            attention_mask=inputs.attention_mask)
-    np.testing.assert_allclose(split.predict(obs, noise=noise(split)).actions_normalized,
-                               expected[0].numpy(), atol=1e-5)
-
-
-def test_llm_attention_option_is_validated_and_reported(engine):
-    with pytest.raises(ValueError, match='llm_attention'):
-        EngineConfig(llm_attention='flash')
-    assert engine.mode['llm_attention'] == 'mask'
-
-
 def test_cuda_graphs_need_buckets_and_a_cuda_device():
     with pytest.raises(ValueError, match='buckets'):
         EngineConfig(cuda_graphs=True, device='cuda')

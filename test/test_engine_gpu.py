@@ -150,32 +150,3 @@ def test_wide_row_reductions_compile_a_1152_wide_layer_norm_in_one_pass(limit, k
         out, code = run_and_get_code(wide_row_reductions(compiled, limit), x)
     assert kernel in '\n'.join(code)
     torch.testing.assert_close(out, norm(x) * 2.0, rtol=2e-2, atol=2e-2)
-
-
-def test_cudnn_causal_attention_and_its_lse_match_float32_math():
-    from molmobot_policy.model.llm import causal_attention_with_lse, cudnn_attention_serves
-    assert cudnn_attention_serves(torch.device('cuda'), torch.bfloat16, 128)
-    g = torch.Generator(device='cuda').manual_seed(0)
-    q = torch.randn(1, 8, 300, 128, device='cuda', dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, 2, 300, 128, device='cuda', dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    out, lse = causal_attention_with_lse(q, k, v, fused=True)
-    ref, ref_lse = causal_attention_with_lse(q, k, v, fused=False)
-    assert out.shape == ref.shape and lse.shape == ref_lse.shape == (1, 8, 300)
-    assert (out.float() - ref.float()).abs().max() < 2e-2
-    assert (lse - ref_lse).abs().max() < 1e-2        # natural log, as the merge assumes
-
-
-def test_split_llm_attention_runs_through_cudnn_and_serves_like_the_mask(graphed):
-    """`llm_attention: split` compiled and captured: cuDNN's causal attentions, the same
-    actions as the served mask within bf16 noise, bitwise stable on replay."""
-    split = PolicyEngine(EngineConfig(model='tiny', device='cuda', dtype='bfloat16',
-                                      compile=True, cuda_graphs=True, buckets=BUCKETS[:1],
-                                      instruction=INSTRUCTION, llm_attention='split'),
-                         model=graphed.model)
-    split.warmup()
-    assert split.mode['llm_attention'] == 'split (cuDNN)'
-    a = graphed.predict(observation(), noise=noise()).actions_normalized
-    b = split.predict(observation(), noise=noise()).actions_normalized
-    assert np.abs(a - b).max() < 0.05
-    assert np.array_equal(b, split.predict(observation(), noise=noise()).actions_normalized)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from molmobot_policy.model.checkpoint import load_checkpoint
-from molmobot_policy.preprocess.prompt import image_special_positions
 
 from _golden import GOLDEN, MISSING  # noqa: E402  (test/_golden.py: the data's location)
 
@@ -85,21 +84,6 @@ def test_every_llm_layer_hidden_state_matches_golden(hidden_states, case):
     ref = case['llm_layer_hidden_states']
     assert hidden_states.shape == ref.shape
     errors = [rel_err(hidden_states[i], ref[i]) for i in range(ref.shape[0])]
-    assert max(errors) < RTOL, errors
-
-
-def test_every_llm_layer_hidden_state_matches_golden_through_the_split_attention(
-        golden_model, case):
-    """`llm_attention: split`: the two causal attentions merged by their log-sum-exp, fed the
-    image special tokens' positions as the engine builds them, give upstream's hidden states."""
-    model, _ = golden_model
-    rows = torch.from_numpy(np.stack([image_special_positions(r, model.cfg.tokens)
-                                      for r in case['input_ids']]))
-    with torch.no_grad():
-        hidden = model.llm_hidden_states(*inputs(case), image_rows=rows,
-                                         position_ids=torch.from_numpy(case['position_ids']))
-    ref = case['llm_layer_hidden_states']
-    errors = [rel_err(hidden[i], ref[i]) for i in range(ref.shape[0])]
     assert max(errors) < RTOL, errors
 
 

@@ -2,7 +2,6 @@
 K/V cache (bitwise equal to the reference path), masks and input validation."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -317,56 +316,3 @@ def test_wrong_noise_shape_raises_value_error(model):
 def test_unknown_preset_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match=r"unknown model preset 'tiny2'; expected one of .*'tiny'"):
         MolmoBotConfig.from_name('tiny2')
-
-
-def _masked_attention(q, k, v, allowed):
-    """float32 math attention with a boolean (B, 1, L, L) mask, K/V heads repeated."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = (q.float() @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    return torch.softmax(scores.masked_fill(~allowed, float('-inf')), dim=-1) @ v
-
-
-def test_split_attention_equals_attention_under_the_served_mask():
-    """Causal + the later image keys, merged by log-sum-exp, is the mask "causal or both
-    image tokens" (grouped heads, image runs between text tokens, the last token image)."""
-    from molmobot_policy.model.llm import attention_with_later_image_keys
-    g = torch.Generator().manual_seed(3)
-    length = 40
-    is_image = torch.zeros(2, length, dtype=torch.bool)
-    is_image[0, 3:12] = is_image[0, 15:30] = True
-    is_image[1, 1:5] = is_image[1, 20:40] = True
-    q = torch.randn(2, 4, length, 16, generator=g)
-    k, v = (torch.randn(2, 2, length, 16, generator=g) for _ in range(2))
-    rows0, rows1 = is_image[0].nonzero()[:, 0], is_image[1].nonzero()[:, 0]
-    assert len(rows0) == len(rows1)
-    rows = torch.stack([rows0, rows1])
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = (causal | (is_image[:, :, None] & is_image[:, None, :]))[:, None]
-    expected = _masked_attention(q, k, v, allowed)
-    got = attention_with_later_image_keys(q, k, v, rows)
-    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-    causal_only = _masked_attention(q, k, v, causal[None, None].expand_as(allowed))
-    assert (causal_only - expected).abs().max() > 0.1      # the image part matters here
-
-
-def test_split_attention_gives_the_masked_hidden_states_on_real_rows(model):
-    """With right padding the split path's real rows equal the mask path's (the padding
-    rows, never read, may differ: they see the padding keys before them)."""
-    from molmobot_policy.preprocess.prompt import image_special_positions
-    ids, images, pool, _, mask = make_inputs(pad=True)
-    rows = torch.from_numpy(np.stack([image_special_positions(r.numpy(), TOK) for r in ids]))
-    with torch.no_grad():
-        ref = model.llm_hidden_states(ids, images, pool, attention_mask=mask)
-        got = model.llm_hidden_states(ids, images, pool, attention_mask=mask, image_rows=rows)
-    real = mask[None, :, :, None].expand_as(ref)
-    assert torch.allclose(got[real], ref[real], atol=1e-4, rtol=1e-4)
-
-
-def test_image_rows_are_refused_for_a_causal_model_and_a_bad_shape(model):
-    ids, images, pool, _, _ = make_inputs()
-    with pytest.raises(ValueError, match='image_rows must be int64'):
-        model.llm_hidden_states(ids, images, pool, image_rows=torch.zeros(1, 5, dtype=torch.int64))
-    causal = random_model(dataclasses.replace(TINY, bi_directional_attn=False), seed=0)
-    with pytest.raises(ValueError, match='bi_directional_attn'):
-        causal.llm_hidden_states(ids, images, pool, image_rows=torch.zeros(2, 5, dtype=torch.int64))

@@ -53,79 +53,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
-def cudnn_attention_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether cuDNN's fused attention with its log-sum-exp can run `causal_attention_with_lse`
-    (its `fused` argument): a CUDA device, bf16 / fp16, a head dim of at most 128 and a
-    multiple of 8, cuDNN and its SDPA backend enabled. Decided once, outside compiled code."""
-    return (torch.device(device).type == 'cuda' and dtype in (torch.bfloat16, torch.float16)
-            and head_dim <= 128 and head_dim % 8 == 0 and torch.backends.cudnn.is_available()
-            and torch.backends.cuda.cudnn_sdp_enabled())
-
-
-def causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention (query i sees key j <= i) and its log-sum-exp.
-
-    q (B, Hq, L, D); k, v (B, Hkv, L, D), Hq a multiple of Hkv (query head h reads K/V head
-    h // (Hq / Hkv), as SDPA's `enable_gqa`). Returns out (B, Hq, L, D) in q's dtype and
-    lse float32 (B, Hq, L): the natural log of each row's softmax denominator over the
-    scores q.k / sqrt(D). fused (where `cudnn_attention_serves`): cuDNN's fused kernel
-    (`aten._scaled_dot_product_cudnn_attention`, which groups the heads itself); else
-    float32 math.
-    """
-    if fused:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False)[:2]
-        return out, lse.float().reshape(q.shape[:3])
-    group = q.shape[1] // k.shape[1]
-    kf, vf = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = q.float() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
-    length = q.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float('-inf'))
-    lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse[..., None]) @ vf).to(q.dtype), lse
-
-
-def attention_with_later_image_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                    image_rows: torch.Tensor, fused: bool = False
-                                    ) -> torch.Tensor:
-    """Attention under the served mask "key j <= query i, or both are image tokens" as two
-    causal attentions merged by their log-sum-exp, without an (L, L) mask.
-
-    The mask is the union of two disjoint sets: the causal one, and for an image query the
-    image keys after it. Taken last first, the image tokens make the second set causal too:
-    the image token r-th from the end sees the image keys fewer than r from the end, i.e.
-    queries rev[1:] against keys rev[:-1] under a square causal mask (rev = image_rows
-    reversed; the last image token has no later image key). Rows that are not image tokens
-    keep the causal result; image rows get (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2).
-
-    q (B, Hq, L, D); k, v (B, Hkv, L, D) (grouped heads and `fused` as
-    `causal_attention_with_lse`);
-    image_rows int64 (B, M), M >= 2: the image tokens' positions, increasing. Padding must
-    come after every real token (right padding): the causal part lets a padding row see the
-    padding keys before it, which no real row can. Returns (B, Hq, L, D) in q's dtype.
-    Equals masked attention within the kernels' rounding (docs/decisions/llm-masked-attention.md).
-    """
-    b, hq, _, d = q.shape
-    rev = image_rows.flip(1)
-    rows, keys = rev[:, 1:], rev[:, :-1]
-    m = rows.shape[1]
-
-    def take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return t.gather(2, index[:, None, :, None].expand(b, t.shape[1], m, d))
-
-    out, lse = causal_attention_with_lse(q, k, v, fused)
-    later, later_lse = causal_attention_with_lse(take(q, rows), take(k, keys), take(v, keys),
-                                                 fused)
-    own_lse = lse.gather(2, rows[:, None, :].expand(b, hq, m))
-    top = torch.maximum(own_lse, later_lse)
-    w_own, w_later = torch.exp(own_lse - top), torch.exp(later_lse - top)
-    merged = ((w_own[..., None] * take(out, rows).float() + w_later[..., None] * later.float())
-              / (w_own + w_later)[..., None])
-    return out.scatter(2, rows[:, None, :, None].expand(b, hq, m, d), merged.to(out.dtype))
-
-
 class Embedding(nn.Module):
     """Token embedding split in two tables, looked up as cat([embedding, new_embedding])
     without materializing the concatenation."""
@@ -160,12 +87,9 @@ class OLMoSequentialBlock(nn.Module):
         self.ff_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        # cuDNN for the causal attentions of `image_rows` (set where `cudnn_attention_serves`)
-        self.fused_causal_attention = False
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  attn_bias: torch.Tensor | None,
-                  image_rows: torch.Tensor | None = None) -> torch.Tensor:
+                  attn_bias: torch.Tensor) -> torch.Tensor:
         b, n = x.shape[:2]
         q, k, v = self.att_proj(x).split(self.split, dim=-1)
         q = self.q_norm(q.view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
@@ -174,17 +98,12 @@ class OLMoSequentialBlock(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA: query head h reads KV head h // (n_heads / n_kv_heads). SDPA groups the heads
         # itself, faster than repeating K/V to n_heads first.
-        if image_rows is not None:
-            out = attention_with_later_image_keys(q, k, v, image_rows,
-                                                  self.fused_causal_attention)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, enable_gqa=True)
         return self.attn_out(out.transpose(1, 2).reshape(b, n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_bias: torch.Tensor | None,
-                image_rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), cos, sin, attn_bias, image_rows)
+                attn_bias: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), cos, sin, attn_bias)
         up, gate = self.ff_proj(self.ff_norm(h)).chunk(2, dim=-1)
         return h + self.ff_out(F.silu(gate) * up)
 
@@ -217,17 +136,14 @@ class Llm(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
-                attn_bias: torch.Tensor | None,
-                image_rows: torch.Tensor | None = None) -> torch.Tensor:
+                attn_bias: torch.Tensor) -> torch.Tensor:
         """x (B, L, d_model) input embeddings; position_ids int64 (B, L) in
-        [0, max_sequence_length); attn_bias (B, 1, L, L) additive, x's dtype; or, instead
-        (attn_bias None), image_rows int64 (B, M): the served mask "causal, or both image
-        tokens" computed as `attention_with_later_image_keys` (right padding only).
+        [0, max_sequence_length); attn_bias (B, 1, L, L) additive, x's dtype.
         Returns (n_layers, B, L, d_model): the output of every block, before ln_f."""
         cos = self.rope_cos[position_ids].unsqueeze(1)
         sin = self.rope_sin[position_ids].unsqueeze(1)
         hidden = []
         for block in self.blocks:
-            x = block(x, cos, sin, attn_bias, image_rows)
+            x = block(x, cos, sin, attn_bias)
             hidden.append(x)
         return torch.stack(hidden)

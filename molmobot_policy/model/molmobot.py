@@ -99,19 +99,14 @@ class MolmoBot(nn.Module):
     def llm_hidden_states(self, input_ids: torch.Tensor, images: torch.Tensor,
                           token_pooling: torch.Tensor, position_ids: torch.Tensor | None = None,
                           attention_mask: torch.Tensor | None = None,
-                          image_positions: torch.Tensor | None = None,
-                          image_rows: torch.Tensor | None = None) -> torch.Tensor:
+                          image_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Output of every LLM block (before ln_f), (n_layers, B, L, d_model), param dtype.
 
         input_ids int64 (B, L); images uint8 (B, N, 729, 588); token_pooling int64
         (B, N*196, 4); position_ids int64 (B, L), default cumsum(attention_mask) - 1 clamped
         at 0 (arange(L) without a mask); attention_mask bool (B, L), False = padding;
         image_positions int64 (B, N*196), positions of the `<im_patch>` tokens (computed
-        from input_ids when None, eager only); image_rows int64 (B, M): the positions of the
-        image special tokens (`cfg.tokens.image_special_ids`), increasing, when given the
-        attention runs as two causal attentions merged by their log-sum-exp
-        (`llm.attention_with_later_image_keys`; needs bi_directional_attn, M >= 2 and right
-        padding) instead of through the (L, L) mask. Raises ValueError on malformed inputs.
+        from input_ids when None, eager only). Raises ValueError on malformed inputs.
         """
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f'input_ids must be int64 (B, L), got {input_ids.dtype} '
@@ -127,15 +122,6 @@ class MolmoBot(nn.Module):
             else:
                 position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         x = self.embed_inputs(input_ids, images, token_pooling, image_positions)
-        if image_rows is not None:
-            if not self.cfg.bi_directional_attn:
-                raise ValueError('image_rows: the model has no bidirectional image attention '
-                                 '(bi_directional_attn false); leave image_rows None')
-            if (image_rows.dim() != 2 or image_rows.shape[0] != input_ids.shape[0]
-                    or image_rows.shape[1] < 2 or image_rows.dtype != torch.int64):
-                raise ValueError(f'image_rows must be int64 (B={input_ids.shape[0]}, M >= 2), '
-                                 f'got {image_rows.dtype} {tuple(image_rows.shape)}')
-            return self.transformer(x, position_ids, None, image_rows)
         allowed = self.attention_allowed(input_ids, attention_mask)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)

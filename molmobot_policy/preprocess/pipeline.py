@@ -34,7 +34,6 @@ class ModelInputs:
         input_ids: int64 (1, L). attention_mask: bool (1, L), False = padding.
         position_ids: int64 (1, L).
         image_positions: int64 (1, N*T), positions of `<im_patch>` in input_ids.
-        image_rows: int64 (1, M), positions of every image special token.
         token_pooling: int64 (1, N*T, pool), -1 = pad.
         images: uint8 (1, N, num_patches, patch_dim), not normalized (the model does
             x/255*2-1).
@@ -46,7 +45,6 @@ class ModelInputs:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     image_positions: torch.Tensor
-    image_rows: torch.Tensor
     token_pooling: torch.Tensor
     images: torch.Tensor
     states: torch.Tensor
@@ -94,7 +92,7 @@ class Preprocessor:
 
     def _to_device(self, text: TextInputs) -> dict[str, torch.Tensor]:
         names = ('input_ids', 'attention_mask', 'position_ids', 'image_positions',
-                 'image_rows', 'token_pooling')
+                 'token_pooling')
         return {name: torch.as_tensor(np.array(getattr(text, name)), device=self.device)[None]
                 for name in names}
 

@@ -86,16 +86,6 @@ def image_token_positions(prompt_ids: np.ndarray, tokens: TokenIds) -> np.ndarra
     return np.flatnonzero(prompt_ids == tokens.im_patch).astype(np.int64)
 
 
-def image_special_positions(prompt_ids: np.ndarray, tokens: TokenIds) -> np.ndarray:
-    """Positions of every image special token (`TokenIds.image_special_ids`: the patches and
-    the image start / end / column tokens, the tokens that attend each other both ways),
-    increasing: int64 (M,). Raises ValueError: prompt_ids is not 1-D."""
-    prompt_ids = np.asarray(prompt_ids)
-    if prompt_ids.ndim != 1:
-        raise ValueError(f'prompt_ids must be 1-D (L,), got shape {prompt_ids.shape}')
-    return np.flatnonzero(np.isin(prompt_ids, tokens.image_special_ids)).astype(np.int64)
-
-
 def suggested_buckets(shortest_prompt: int) -> tuple[int, ...]:
     """Two padding buckets for prompts of at least `shortest_prompt` tokens: room for ~32 and
     ~224 instruction tokens, rounded up to multiples of 64 (e.g. 1617 -> (1664, 1856), the
@@ -118,8 +108,6 @@ class TextInputs:
         attention_mask: bool (L,), False = padding.
         position_ids: int64 (L,); padding repeats the last real position.
         image_positions: int64 (N*T,) positions of `<im_patch>` in input_ids.
-        image_rows: int64 (M,) positions of every image special token
-            (`image_special_positions`), for the LLM's split attention.
         token_pooling: int64 (N*T, pool_h*pool_w) patch indices per image token, -1 = pad.
         length: real (unpadded) prompt tokens.
         bucket: L when padded to a bucket, 0 when unpadded.
@@ -129,7 +117,6 @@ class TextInputs:
     attention_mask: np.ndarray
     position_ids: np.ndarray
     image_positions: np.ndarray
-    image_rows: np.ndarray
     token_pooling: np.ndarray
     length: int
     bucket: int
@@ -233,5 +220,4 @@ class PromptFitter:
             input_ids=_read_only(padded), attention_mask=_read_only(mask),
             position_ids=_read_only(np.minimum(np.arange(total), length - 1)),
             image_positions=_read_only(image_token_positions(ids, self.tokens)),
-            image_rows=_read_only(image_special_positions(ids, self.tokens)),
             token_pooling=self.token_pooling, length=length, bucket=bucket)

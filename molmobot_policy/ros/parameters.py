@@ -170,10 +170,6 @@ PARAMETERS = {
         constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / "
                     "true (required: configure fails where it cannot serve), 'off' / false",
         dynamic=True)),
-    'llm_attention': ('mask', descriptor(
-        "how the LLM attends under its mask: 'mask' (one attention reading the (L, L) mask) "
-        "or 'split' (two causal attentions merged by their log-sum-exp, cuDNN on CUDA)", _S,
-        constraints="'mask' or 'split'")),
     'buckets': ([], descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
     'output_topic': ('~/joint_trajectory', descriptor(
@@ -215,7 +211,7 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'llm_attention', 'instruction')
+                     'fused_action_expert', 'instruction')
 CONTRACT_PARAMETERS = ('gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 

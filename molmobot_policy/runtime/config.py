@@ -13,7 +13,6 @@ from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
 FUSED_AE_MODES = ('auto', 'on', 'off')
-LLM_ATTENTION_MODES = ('mask', 'split')
 
 
 def fused_action_expert_mode(value):
@@ -68,12 +67,6 @@ class EngineConfig:
             otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
             runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
             the residual stream stays float32 in the kernel).
-        llm_attention: how the LLM attends under its mask ("causal, or both tokens image
-            tokens"): 'mask' (default), one fused attention reading the additive (L, L) mask;
-            'split', two causal attentions (all rows; the image rows against the image keys
-            after them) merged by their log-sum-exp (`model.llm.attention_with_later_image_keys`),
-            through cuDNN on CUDA in bf16 / fp16, float32 math elsewhere. Same math within
-            the kernels' rounding; for models with bi_directional_attn.
         instruction: default instruction, used when an observation carries none.
     """
 
@@ -94,7 +87,6 @@ class EngineConfig:
     quantize: str = 'none'
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
-    llm_attention: str = 'mask'
     instruction: str = ''
 
     def __post_init__(self) -> None:
@@ -121,9 +113,6 @@ class EngineConfig:
             if self.dtype == 'float32':
                 raise ValueError("fused_action_expert=on needs dtype 'bfloat16' or 'float16', "
                                  "got 'float32'")
-        if self.llm_attention not in LLM_ATTENTION_MODES:
-            raise ValueError(f'llm_attention must be one of {LLM_ATTENTION_MODES}, got '
-                             f'{self.llm_attention!r}')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))

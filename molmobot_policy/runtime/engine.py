@@ -128,14 +128,12 @@ class PolicyEngine:
         of `MolmoBot.generate_actions` (the same `euler_flow`, the served velocity)."""
         model, served = self.model, self.served.action_expert
         kv_cache, steps = self.config.kv_cache, self.flow_steps
-        split = self.config.llm_attention == 'split'
 
-        def query(input_ids, attention_mask, position_ids, image_positions, image_rows,
-                  token_pooling, images, states, noise):
+        def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
+                  images, states, noise):
             hidden = model.select_ae_layers(model.llm_hidden_states(
                 input_ids, images, token_pooling, position_ids=position_ids,
-                attention_mask=attention_mask, image_positions=image_positions,
-                image_rows=image_rows if split else None))
+                attention_mask=attention_mask, image_positions=image_positions))
             cached = served.context(hidden, attention_mask, states) if kv_cache else None
 
             def velocity(x, i):    # kv_cache=False recomputes the context every flow step
@@ -288,7 +286,6 @@ class PolicyEngine:
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
                 'kv_cache': str(c.kv_cache), 'fp8': self.served.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
-                'llm_attention': self.served.llm_attention,
                 'fused_action_expert': f'off ({self.served.fused_reason})'
                 if self.served.fused_reason else 'on',
                 'buckets': ','.join(map(str, c.buckets)) or 'none',

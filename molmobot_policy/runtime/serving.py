@@ -13,8 +13,6 @@ dtype (moving it afterwards is not supported), the way gpt-fast fuses its weight
 - on CUDA the ViT MLP's w1 + bias + tanh-GELU is one cuBLASLt GEMM with its GELU epilogue
   (`GeluEpilogueMLP`);
 - fp8 LLM Linears (`model.fp8.quantize_llm_fp8_`, `EngineConfig.quantize`);
-- the LLM's split attention through cuDNN where it serves (`EngineConfig.llm_attention`,
-  `model.llm.attention_with_later_image_keys`);
 - the action expert's per-query context projects every block's cross-attention K/V with one
   batched GEMM over the stacked kv_proj weights and without kv_proj's bias, the value bias
   folded into the output bias (`ServedActionExpert`); its AdaLN conditioning is computed once
@@ -33,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from molmobot_policy.model.action_expert import ActionExpert, ActionExpertContext
-from molmobot_policy.model.llm import cudnn_attention_serves
 from molmobot_policy.model.vision import ViTMLP, ViTMultiHeadDotProductAttention
 from molmobot_policy.runtime.compile import compile_action_expert_glue_, compile_repeated_blocks_
 from molmobot_policy.runtime.stacking import is_stack_of, stack_parameters_
@@ -232,26 +229,23 @@ class ServedModel:
     model: the `MolmoBot`, its modules changed in place. action_expert: its served flow head.
     fp8: granularity of the fp8 LLM Linears ('rowwise', 'tensor' or 'none').
     fused_reason: why the fused DiT kernel does not serve ('' when it does).
-    llm_attention: how the LLM attends ('mask', 'split (cuDNN)', 'split (float32 math)').
     """
 
     model: nn.Module
     action_expert: ServedActionExpert
     fp8: str
     fused_reason: str
-    llm_attention: str = 'mask'
 
 
 def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     """Applies every serving change (module docstring) to `model` in place, as `config`
-    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, llm_attention,
-    kv_cache, compile, cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
+    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, kv_cache, compile,
+    cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
     for the model's modules, so engines may share one model (each gets its own conditioning
     and fused-kernel tables for its `flow_steps`).
 
     Raises:
-        ValueError: fused_action_expert='on' where the kernel cannot serve; llm_attention=
-            'split' for a model without bidirectional image attention.
+        ValueError: fused_action_expert='on' where the kernel cannot serve.
     """
     model.eval().requires_grad_(False)
     on_cuda = next(model.parameters()).is_cuda
@@ -267,26 +261,7 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     fp8 = _quantize_(model, config.quantize)
     reason = fused_kernel_reason(config, model.action_expert)
     served = ServedActionExpert(model.action_expert, flow_steps, fused=not reason)
-    llm_attention = _llm_attention_(model, config.llm_attention)
     if config.compile:     # one-pass row reductions on CUDA: `compile.served_row_limit`
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
-    return ServedModel(model, served, fp8, reason, llm_attention)
-
-
-def _llm_attention_(model, mode: str) -> str:
-    """Lets the LLM blocks run the split attention's causal parts through cuDNN where it
-    serves (`llm.cudnn_attention_serves`; read when a block is traced, so before compiling).
-    Returns the `mode` line: 'mask', 'split (cuDNN)' or 'split (float32 math)'.
-    Raises ValueError: 'split' for a model without bidirectional image attention."""
-    blocks = model.transformer.blocks
-    weight = blocks[0].attn_norm.weight     # the serving device and dtype (att_proj may be fp8)
-    fused = cudnn_attention_serves(weight.device, weight.dtype, blocks[0].head_dim)
-    for block in blocks:
-        block.fused_causal_attention = fused
-    if mode == 'mask':
-        return 'mask'
-    if not model.cfg.bi_directional_attn:
-        raise ValueError("llm_attention='split' needs a model with bidirectional image "
-                         "attention (bi_directional_attn); this one is causal: use 'mask'")
-    return 'split (cuDNN)' if fused else 'split (float32 math)'
+    return ServedModel(model, served, fp8, reason)
