@@ -325,8 +325,8 @@ def check_unknown_parameters(node) -> None:
 
 
 def _with_closest(name: str) -> str:
-    """"'name'" and the closest declared name, if any: "'chunk_perod' (did you mean
-    'chunk_period'?)"."""
+    """The name quoted, with the closest declared name if there is one, e.g.
+    `'chunk_perod' (did you mean 'chunk_period'?)`."""
     close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
     return f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else '')
 
