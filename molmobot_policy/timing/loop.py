@@ -6,12 +6,13 @@ works). A tick's work (building the observation, decoding its frames, inference,
 stitching, limiting and building the messages) starts `lead` seconds before its deadline,
 the lead being the measured p99 of that work's wall time times a margin
 (`LatencyEstimator`, `latency_estimator`), capped at MAX_LEAD_FRACTION of the period;
-until enough samples, the engine's measured warm-up inference time times the margin. The worker takes the newest observation (`observe`),
-refuses one not newer than the last used (`ObservationGate`), runs `predict`, drops the
-actions already in the past at publish time and joins the chunk to the previous one
-(`ChunkStitcher`), anchors the points to the measured joint state within the velocity and
-position limits (`MotionLimiter`, `measured`), lets `publish` build its messages, waits for
-the deadline and sends them: only the send runs after the wake-up. Action k of a chunk
+until enough samples, the engine's measured warm-up inference time times the margin.
+The worker takes the newest observation (`observe`), refuses one not newer than the last
+used (`ObservationGate`), runs `predict`, drops the actions already in the past at publish
+time and joins the chunk to the previous one (`ChunkStitcher`), anchors the points to the
+measured joint state within the velocity and position limits (`MotionLimiter`,
+`measured`), lets `publish` build its messages, waits for the deadline and sends them:
+only the send runs after the wake-up. Action k of a chunk
 executes at `observation.stamp + k * control_period`.
 
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
