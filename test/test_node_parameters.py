@@ -328,6 +328,52 @@ def test_bad_safety_parameters_are_refused_naming_them(name, value, expected):
     assert info.value.name == name and expected in str(info.value)
 
 
+ARM = ['shoulder_pan_joint', 'shoulder_lift_joint', 'elbow_joint']
+
+
+def test_an_action_joint_not_in_joint_names_fails_configure_naming_it_and_the_closest(
+        ros_context):
+    # a fresh-user trial: such a joint was only warned about, then published unanchored; its
+    # first points jumped -3.87 -> -2.92 -> 6.22 -> 0.08 rad between chunks
+    config, errors = _configure(ros_context, 'param_unanchored', joint_names=ARM,
+                                action_joint_names=['shoulder_pan', *ARM[1:]])
+    assert config is None
+    assert any("'action_joint_names'" in e and f'not in joint_names {ARM}' in e
+               and "'shoulder_pan' (did you mean 'shoulder_pan_joint'?)" in e
+               and 'allow_unanchored_action_joints: true' in e for e in errors), errors
+
+
+def test_allow_unanchored_action_joints_lets_them_past_the_parameter_checks(ros_context):
+    from molmobot_policy.ros.parameters import check_parameter_values
+    values = _values(joint_names=ARM, action_joint_names=[*ARM, 'gripper'],
+                     allow_unanchored_action_joints=True)
+    check_parameter_values(values)      # no ParameterError
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name='param_unanchored_allowed',
+                      context=ros_context, parameter_overrides=[
+                          Parameter('autostart', value=False),
+                          Parameter('allow_random_weights', value=True),
+                          Parameter('joint_names', value=ARM),
+                          Parameter('action_joint_names', value=[*ARM, 'gripper']),
+                          Parameter('allow_unanchored_action_joints', value=True)])
+    try:
+        assert node.get_parameter('allow_unanchored_action_joints').value is True
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE   # 'captured'
+        assert capture.config is not None       # past every parameter check
+    finally:
+        node.destroy_node()
+
+
+def test_the_gripper_action_joint_need_not_be_in_joint_names():
+    """Its binarized command is not anchored to a measured position."""
+    from molmobot_policy.ros.parameters import check_parameter_values
+    check_parameter_values(_values(joint_names=ARM, action_joint_names=[*ARM, 'gripper'],
+                                   gripper_index=3))
+    with pytest.raises(ParameterError, match="'gripper'"):
+        check_parameter_values(_values(joint_names=ARM, action_joint_names=[*ARM, 'gripper'],
+                                       gripper_index=0))
+
+
 def test_a_non_positive_velocity_limit_fails_configure_naming_the_parameter(ros_context):
     config, errors = _configure(ros_context, 'param_velocity_zero', max_joint_velocity=[0.0])
     assert config is None

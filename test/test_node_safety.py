@@ -335,10 +335,12 @@ def test_a_params_file_with_the_namespaced_section_configures(graph, tmp_path):
 def test_the_first_point_is_within_the_velocity_limit_of_the_measured_state(graph):
     """The arm is measured 2 rad from the plan (0): the first published point is within
     max_joint_velocity * (its time - the measurement) of the arm, later points ramp towards
-    the plan at that speed; an action joint never measured is named once in the log."""
+    the plan at that speed; an action joint never measured (allowed) is named once in the
+    log."""
     velocity = 0.5
     g = graph('safety_first_point', allow_random_weights=True,
-              max_joint_velocity=[velocity], action_joints=JOINTS + ['never_measured'])
+              max_joint_velocity=[velocity], action_joints=JOINTS + ['never_measured'],
+              allow_unanchored_action_joints=True)
     g.positions = {n: 2.0 for n in JOINTS}
     g.start()
     assert g.wait_for(lambda: len(g.trajectories) >= 3 and len(g.infos) >= 3), g.log.text()
@@ -357,6 +359,30 @@ def test_the_first_point_is_within_the_velocity_limit_of_the_measured_state(grap
     warnings = g.log.text('warning')
     assert warnings.count("action joints ['never_measured'] have no position") == 1
     assert g.wait_for(lambda: int(_values(g.status('output'))['velocity_limited']) > 0)
+
+
+def test_an_allowed_unanchored_action_joint_is_logged_at_configure_and_keeps_output_warn(
+        graph):
+    from diagnostic_msgs.msg import DiagnosticStatus
+    g = graph('safety_unanchored', allow_random_weights=True,
+              action_joints=JOINTS + ['never_measured'], allow_unanchored_action_joints=True)
+    g.start()
+    assert "allow_unanchored_action_joints is true: action joints ['never_measured']" in \
+        g.log.text('warning')
+
+    def warned():
+        status = g.status('output')
+        return status is not None and _level(status) == DiagnosticStatus.WARN \
+            and "action joints ['never_measured'] published without a measured anchor" \
+            in status.message
+    assert g.wait_for(lambda: len(g.trajectories) >= 2) and g.wait_for(warned), g.log.text()
+
+
+def test_an_action_joint_not_in_joint_names_fails_configure_by_default(graph):
+    g = graph('safety_unanchored_refused', allow_random_weights=True,
+              action_joints=JOINTS[:-1] + ['joint_7'])
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    assert "'joint_7' (did you mean" in g.log.text('error')
 
 
 # ------------------------------------------------------------------ 5. the first lead

@@ -29,25 +29,65 @@ def test_the_watch_fires_once_when_the_parent_pid_changes():
         watch.stop()
 
 
-def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False) -> tuple[int, Path]:
+def test_the_watch_stops_the_node_even_when_its_log_line_cannot_be_written(monkeypatch):
+    def dead_terminal(*args):
+        raise OSError(5, 'Input/output error')     # the pty of a `ros2 launch` that exited
+    monkeypatch.setattr('molmobot_policy.ros.main.print_log', dead_terminal)
+    monkeypatch.setattr(threading, 'excepthook', lambda args: None)  # its OSError, unprinted
+    fired = threading.Event()
+    watch = ParentWatch('test', period=0.01, getppid=lambda: 1, kill=fired.set).start(100)
+    try:
+        assert fired.wait(2.0)
+    finally:
+        watch.stop()
+
+
+def test_a_failing_parent_check_stops_the_node(monkeypatch):
+    def broken():
+        raise RuntimeError('no parent pid')
+    monkeypatch.setattr(threading, 'excepthook', lambda args: None)  # the re-raise, unprinted
+    fired = threading.Event()
+    watch = ParentWatch('test', period=0.01, getppid=broken, kill=fired.set).start(100)
+    try:
+        assert fired.wait(2.0) and watch.fired
+    finally:
+        watch.stop()
+
+
+def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
+            terminal: bool = False) -> tuple[int, Path]:
     """Start the node (autostart off: no engine) from a parent that exits at once without
-    stopping it (`nohup`: with SIGHUP ignored, as nohup starts it); returns the node's pid
-    and its log."""
+    stopping it (`nohup`: with SIGHUP ignored, as nohup starts it; otherwise with SIGHUP at
+    its default whatever this test runs under, e.g. `nohup make test`); returns the node's
+    pid and its log. `terminal`: the node's stdout and stderr are a pty that the parent
+    reads into the log and that is gone with the parent, as `ros2 launch`'s
+    (`emulate_tty=True`): the node's writes to it then fail (EIO)."""
     log = tmp_path / 'node.log'
     script = textwrap.dedent(f'''
-        import signal, subprocess, sys
-        if {nohup!r}:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)     # inherited by the node
+        import os, pty, select, signal, subprocess, sys, time
+        # inherited by the node
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if {nohup!r} else signal.SIG_DFL)
         log = open({str(log)!r}, 'w')
+        if {terminal!r}:
+            master, output = pty.openpty()
+        else:
+            output = log
         node = subprocess.Popen([sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
                                  '-p', 'autostart:=false',
                                  '-p', 'stop_with_parent:={str(stop_with_parent).lower()}',
                                  '-r', '__node:=orphan_test'],
-                                cwd={str(REPO)!r}, stdout=log, stderr=subprocess.STDOUT,
+                                cwd={str(REPO)!r}, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         print(node.pid, flush=True)
-        import time
         end = time.monotonic() + 30          # exit once the node runs (as launch would)
+        if {terminal!r}:
+            os.close(output)
+            text = ''
+            while time.monotonic() < end and 'autostart is off' not in text:
+                if select.select([master], [], [], 0.05)[0]:
+                    text += os.read(master, 65536).decode(errors='replace')
+            log.write(text)
+            log.flush()
         while time.monotonic() < end and 'autostart is off' not in open({str(log)!r}).read():
             time.sleep(0.05)
     ''')
@@ -91,6 +131,20 @@ def test_an_orphaned_node_stops_and_says_why(tmp_path):
         text = log.read_text()
         assert 'the process that started this node' in text and 'has exited' in text
         assert 'shutting down after 0 chunks' in text
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_an_orphaned_node_stops_when_its_terminal_is_gone(tmp_path):
+    # a fresh-user trial: SIGTERM to `ros2 launch` (emulate_tty=True) closed the node's pty;
+    # the watch's log line then raised OSError (EIO), its thread died and the node ran on
+    pid, log = _orphan(tmp_path, stop_with_parent=True, terminal=True)
+    try:
+        assert 'autostart is off' in log.read_text()
+        assert _wait_exit(pid, 30.0), 'the node outlived its parent and its terminal'
     finally:
         try:
             os.kill(pid, signal.SIGKILL)

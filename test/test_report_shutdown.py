@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip('rclpy')
-from molmobot_policy.ros.report import LoopReport  # noqa: E402
+from molmobot_policy.ros.report import LoopReport, print_log  # noqa: E402
 
 
 class _Logger:
@@ -43,3 +43,25 @@ def test_a_skip_while_running_goes_to_the_ros_logger(capsys):
     report.skipped(3, 'camera /cam0 has no image yet')
     assert logger.lines == [('WARN', 'skipping tick 3: camera /cam0 has no image yet')]
     assert capsys.readouterr().err == ''
+
+
+class _DeadTerminal:
+    """stderr on the pty of a `ros2 launch` that exited (emulate_tty): every write fails."""
+
+    def write(self, text):
+        raise OSError(5, 'Input/output error')
+
+    def flush(self):
+        raise OSError(5, 'Input/output error')
+
+
+def test_a_line_printed_to_a_dead_terminal_is_lost_without_raising(monkeypatch):
+    monkeypatch.setattr('sys.stderr', _DeadTerminal())
+    print_log('molmobot_policy', 'INFO', 'shutting down after 3 chunks')     # no OSError
+
+
+def test_a_line_printed_to_a_closed_stderr_is_lost_without_raising(monkeypatch, tmp_path):
+    closed = open(tmp_path / 'stderr', 'w')
+    closed.close()
+    monkeypatch.setattr('sys.stderr', closed)
+    print_log('molmobot_policy', 'INFO', 'shutting down after 3 chunks')     # no ValueError

@@ -26,8 +26,9 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   ticks are skipped; the loop's counters, sensor-to-publish age and garbage-collector pauses.
 - `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
   they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
-  naming the last skip reason or the clock (sim time without /clock); the motion limits'
-  counts.
+  naming the last skip reason or the clock (sim time without /clock); at least WARN, naming
+  them, while action joints are published without a measured anchor
+  (allow_unanchored_action_joints); the motion limits' counts.
 While the node is not active, `idle_updater` publishes the 'output' status alone (its
 lifecycle state); during configure a `Heartbeat` thread runs it, since the executor thread
 that would run its timer is busy building and warming up the engine.
@@ -52,14 +53,15 @@ OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.E
 def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[str], object],
                    now: Callable[[], float], mode: Callable[[], dict], served: str,
                    sim_time: Callable[[], bool],
-                   refresh: Callable[[], object] | None = None) -> Updater:
+                   refresh: Callable[[], object] | None = None,
+                   unanchored: Callable[[], list] | None = None) -> Updater:
     """The node's Updater (period: the diagnostics_period parameter) with its tasks: one
     `InputTask` per camera of `sync` (an ObservationSynchronizer) and for its joint state,
     `InferenceTask`, `ScheduleTask` and `OutputTask` over `loop` (a timing.PolicyLoop: its
     stats and latency) and `watchdog` (a timing.OutputWatchdog); `now()` -> ROS time, s;
     `served`: what the engine serves; `sim_time()` -> True while ROS time follows /clock;
     `refresh()` runs before each update (the camera receiver process's newest frames into
-    `sync`)."""
+    `sync`); `unanchored()` -> the action joints the latest chunk left unanchored."""
     updater = Updater(node, parameter('diagnostics_period'))
     updater.before_update = refresh
     updater.setHardwareID(node.get_name())
@@ -70,7 +72,7 @@ def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[s
                               max_age, parameter))
     updater.add(InferenceTask(loop.stats.inference_ms, mode, parameter, served, loop.latency))
     updater.add(ScheduleTask(loop.stats, gc_pauses, lambda: sync.frames_decoded, parameter))
-    updater.add(OutputTask(watchdog, loop.stats, now, sim_time))
+    updater.add(OutputTask(watchdog, loop.stats, now, sim_time, unanchored=unanchored))
     return updater
 
 
@@ -408,22 +410,32 @@ class OutputTask(DiagnosticTask):
     """Whether chunks reach the robot: `watchdog` a timing.OutputWatchdog fed by the loop's
     events, `stats` its timing.LoopStats (the motion limits' counts), `now()` -> ROS time
     (s), `sim_time()` -> True while ROS time follows /clock (then a clock standing still is
-    measured on the steady clock, `OutputWatchdog.check_clock`)."""
+    measured on the steady clock, `OutputWatchdog.check_clock`); `unanchored()` -> the
+    action joints published without a measured anchor (never OK while there are any: a
+    monitor that reads only levels must not see that as OK)."""
 
     LEVELS = {'OK': OK, 'WARN': WARN, 'ERROR': ERROR}
 
     def __init__(self, watchdog, stats, now: Callable[[], float],
-                 sim_time: Callable[[], bool], wall: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 sim_time: Callable[[], bool], wall: Callable[[], float] = time.monotonic,
+                 unanchored: Callable[[], list] | None = None) -> None:
         super().__init__('output')
         self._watchdog, self._stats, self._now = watchdog, stats, now
         self._sim_time, self._wall = sim_time, wall
+        self._unanchored = unanchored or list
 
     def run(self, stat):
         now = self._now()
         state = self._watchdog.check_clock(now, self._wall()) if self._sim_time() else None
         state = state or self._watchdog.check(now)
-        stat.summary(self.LEVELS[state.level], state.message)
+        level, message = self.LEVELS[state.level], state.message
+        unanchored = self._unanchored()
+        if unanchored:
+            message += (f'; action joints {unanchored} published without a measured anchor '
+                        '(allow_unanchored_action_joints: true): their chunks may start far '
+                        'from the arm')
+            level = max(level, WARN)
+        stat.summary(level, message)
         stat.add('since_last_chunk_s', 'nan' if state.since_last is None
                  else f'{state.since_last:.2f}')
         stat.add('chunks_published', self._stats.chunks_published)

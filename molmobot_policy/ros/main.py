@@ -166,16 +166,27 @@ class ParentWatch:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            now = self._getppid()
-            if now != self.parent:
-                self.fired = True
-                print_log(self._name, 'ERROR',
-                          f'the process that started this node (pid {self.parent}) has exited '
-                          '(e.g. `ros2 launch` stopped with SIGTERM, which leaves its children '
-                          'running): stopping; stop_with_parent: false keeps running')
-                self._kill()
-                return
+        """Checks until `stop`. An error in the check stops the node too: a dead watch
+        would leave it commanding the arm unsupervised."""
+        try:
+            while not self._stop.wait(self._period):
+                if self._getppid() != self.parent:
+                    self._fire(f'the process that started this node (pid {self.parent}) has '
+                               'exited (e.g. `ros2 launch` stopped with SIGTERM, which leaves '
+                               'its children running)')
+                    return
+        except Exception as error:  # noqa: BLE001 - see above
+            if not self.fired:
+                self._fire(f'the parent watch failed ({error!r})')
+            raise
+
+    def _fire(self, why: str) -> None:
+        """The stop first, then the log line: the log may be unwritable by then (the pty of a
+        `ros2 launch` that exited, emulate_tty: OSError EIO), and the stop must not wait on
+        it."""
+        self.fired = True
+        self._kill()
+        print_log(self._name, 'ERROR', f'{why}: stopping; stop_with_parent: false keeps running')
 
     def stop(self) -> None:
         self._stop.set()

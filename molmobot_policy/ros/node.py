@@ -43,8 +43,8 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters, motion_limiter,
-                                            type_mismatches, undeclared,
-                                            widen_integers)
+                                            type_mismatches, unanchored_action_joints,
+                                            undeclared, widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
@@ -85,6 +85,7 @@ class PolicyNode(LifecycleNode):
         self._latency = None            # the lead estimate, kept over activations
         self._watchdog: OutputWatchdog | None = None
         self._unanchored: set[str] = set()      # action joints reported never measured
+        self._unanchored_now: list[str] = []    # those the latest chunk left unanchored
         self.loop: PolicyLoop | None = None    # the worker, built at activate
         self.gc_pauses = GcPauses(STATS_WINDOW)
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
@@ -208,6 +209,13 @@ class PolicyNode(LifecycleNode):
                                f'{dict(self.engine.mode)}; first lead '
                                f'{self._latency.lead() * 1e3:.0f} ms')
         self._log_served()
+        unanchored = unanchored_action_joints(self._param)
+        if unanchored:      # allowed: check_parameter_values refuses them otherwise
+            self.get_logger().warning(
+                f'allow_unanchored_action_joints is true: action joints {unanchored} are not '
+                'in joint_names; they are anchored only while '
+                f"{self._param('joint_state_topic')} carries them, else their points come from "
+                'the plan alone and a chunk may start far from the arm')
         if not self._param('instruction').strip():
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '
@@ -287,11 +295,13 @@ class PolicyNode(LifecycleNode):
             limiter=motion_limiter(self._param), measured=self._measured, latency=self._latency,
             quiet=self.quiet_window)
         self.gc_pauses = GcPauses(STATS_WINDOW).install()
+        self._unanchored_now = []
         self._diagnostics = policy_updater(
             self, self._sync, self.loop, self.gc_pauses, self._watchdog, self._param, self._now,
             mode=self._mode,
             served=self.served, sim_time=sim_time,
-            refresh=self._poll_receiver if self._receiver is not None else None)
+            refresh=self._poll_receiver if self._receiver is not None else None,
+            unanchored=lambda: self._unanchored_now)
         if self._receiver is not None:
             self._receiver_failed = ''
             self._receiver.start()
@@ -432,10 +442,13 @@ class PolicyNode(LifecycleNode):
     def _measured(self):
         """(positions, stamp) of the action joints for the loop's MotionLimiter
         (`ObservationSynchronizer.anchor_positions`; its ValueError skips the tick); logs each
-        never-measured joint once."""
+        never-measured joint once (only with allow_unanchored_action_joints: configure
+        refuses action joints that a tick does not wait for otherwise) and keeps them for
+        the 'output' status."""
         positions, stamp, unseen = self._sync.anchor_positions(
             list(self._param('action_joint_names')), self._param('gripper_index'), self._now(),
             self._param('max_state_age'))
+        self._unanchored_now = unseen
         if set(unseen) - self._unanchored:
             self._unanchored.update(unseen)
             self.get_logger().warning(

@@ -87,7 +87,14 @@ PARAMETERS = {
     'joint_names': (DEFAULT_JOINTS, descriptor(
         'joints making up the state vector, in order (matched by name)', _SA)),
     'action_joint_names': (DEFAULT_JOINTS, descriptor(
-        'JointTrajectory joint_names; action dim k drives joint k', _SA)),
+        'JointTrajectory joint_names; action dim k drives joint k; each (but the '
+        'gripper_index one) must be in joint_names, so that every chunk starts from its '
+        'measured position', _SA)),
+    'allow_unanchored_action_joints': (False, descriptor(
+        'allow action joints that are not in joint_names (e.g. a gripper whose state comes '
+        'on another topic): each is anchored only while joint_state_topic carries it, else '
+        'its points are published from the plan alone (a chunk may start far from the arm; '
+        "logged, 'output' status WARN); false: configure fails naming them", _B)),
     'instruction': ('', descriptor('task text given to the model; may change at run time',
                                     _S, read_only=False)),
     'control_period': (0.1, descriptor(
@@ -324,10 +331,10 @@ def check_unknown_parameters(node) -> None:
                          f'describe` or molmobot_policy/ros/parameters.py PARAMETERS')
 
 
-def _with_closest(name: str) -> str:
-    """The name quoted, with the closest declared name if there is one, e.g.
-    `'chunk_perod' (did you mean 'chunk_period'?)`."""
-    close = difflib.get_close_matches(name, list(PARAMETERS), n=1)
+def _with_closest(name: str, names=PARAMETERS) -> str:
+    """The name quoted, with the closest of `names` (default: the declared parameters) if
+    there is one, e.g. `'chunk_perod' (did you mean 'chunk_period'?)`."""
+    close = difflib.get_close_matches(name, list(names), n=1)
     return f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else '')
 
 
@@ -365,11 +372,23 @@ def check_parameter_values(parameter) -> None:
             not one of CAMERA_QOS; camera_transports not 1 or one per camera of
             CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min / _max not
             numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per action
-            joint.
+            joint; action_joint_names not in joint_names (`unanchored_action_joints`).
     """
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
         if not list(parameter(name)):
             raise ParameterError(name, list(parameter(name)), 'is empty; list at least one')
+    unanchored = unanchored_action_joints(parameter)
+    if unanchored and not parameter('allow_unanchored_action_joints'):
+        joints = list(parameter('joint_names'))
+        raise ParameterError(
+            'action_joint_names', list(parameter('action_joint_names')),
+            f"has joints not in joint_names {joints}: "
+            f"{', '.join(_with_closest(n, joints) for n in unanchored)}; each chunk's first "
+            "point is limited against the measured position of every action joint, and only "
+            "joint_names are sure to be measured (a tick waits for all of them): fix the "
+            'name, or set allow_unanchored_action_joints: true to publish a joint that '
+            'joint_state_topic may not carry (e.g. a gripper on another topic) from the plan '
+            'alone')
     if parameter('camera_qos') not in CAMERA_QOS:
         raise ParameterError('camera_qos', parameter('camera_qos'),
                              f'is not one of {list(CAMERA_QOS)}')
@@ -389,6 +408,16 @@ def check_parameter_values(parameter) -> None:
                              "cannot serve with use_sim_time: true (the receiver process "
                              "stamps receive times on the system clock, not /clock); set "
                              "camera_receiver: 'in_process' or use_sim_time: false")
+
+
+def unanchored_action_joints(parameter) -> list[str]:
+    """The action joints (`action_joint_names`, but the `gripper_index` one: its binarized
+    command is no measured position) that are not in `joint_names`: a tick does not wait for
+    their positions, so a chunk may go out with none to anchor them to (the MotionLimiter
+    then bounds them only between the points of one chunk); `parameter(name)` -> its value."""
+    joints = set(parameter('joint_names'))
+    return [n for k, n in enumerate(parameter('action_joint_names'))
+            if k != parameter('gripper_index') and n not in joints]
 
 
 def per_joint(parameter, name: str) -> list[float] | None:

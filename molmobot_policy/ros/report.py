@@ -89,5 +89,13 @@ class LoopReport(LoopEvents):
 
 def print_log(name: str, severity: str, message: str) -> None:
     """A log line in the ROS console format, printed to stderr: for when no ROS logger can
-    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down)."""
-    print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr, flush=True)
+    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down).
+
+    Never raises: a stderr that cannot be written (the pty of a `ros2 launch` that exited,
+    emulate_tty: OSError EIO; a closed stream: ValueError) loses the line, and the caller,
+    often on its way to stopping the node, goes on."""
+    try:
+        print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr,
+              flush=True)
+    except (OSError, ValueError):
+        pass
