@@ -10,6 +10,7 @@ setup(
     name=package_name,
     version='0.1.0',
     packages=find_packages(include=[package_name, package_name + '.*']),
+    package_data={package_name: ['runtime/*.cu']},      # built on the GPU machine at run time
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + package_name]),
         ('share/' + package_name, ['package.xml']),

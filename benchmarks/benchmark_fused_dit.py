@@ -40,7 +40,7 @@ import torch
 import common
 from molmobot_policy.model import action_expert as ae_mod
 from molmobot_policy.model.config import MolmoBotConfig
-from molmobot_policy.runtime import fused_dit
+from molmobot_policy.runtime import cluster_dit, fused_dit
 from molmobot_policy.runtime.graphs import StaticRunner
 
 TILE_VARIANTS = {   # label -> tiles (FusedDiTStep); the first is the module default
@@ -98,6 +98,9 @@ def main(argv=None) -> int:
                         help='run the list of kernel variants this many times (paired runs)')
     parser.add_argument('--no-phases', action='store_true',
                         help='skip the phased launches and the phase-by-phase timings')
+    parser.add_argument('--cluster-prefetch', default='0',
+                        help='the cluster kernel (runtime.cluster_dit) with these L2 prefetch '
+                             'distances in stream slots, comma-separated ("" skips it)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -151,9 +154,17 @@ def main(argv=None) -> int:
                     for i in range(args.repeat) for label, module, kwargs in variants]
         if not args.no_phases:
             variants.append(('phased', fused_dit, dict(phased=True)))
+        reason = cluster_dit.unavailable_reason(ae, dev, torch.bfloat16, ctx.keys.shape[-2])
+        if args.cluster_prefetch and reason:
+            print(f'cluster kernel skipped: {reason}')
+        elif args.cluster_prefetch:
+            variants += [(f'cluster (prefetch {pf})' + (f' #{i + 1}' if i else ''),
+                          cluster_dit, dict(prefetch=int(pf)))
+                         for i in range(args.repeat) for pf in args.cluster_prefetch.split(',')]
         for label, module, kwargs in variants:
             try:
-                row, out = measure(label, bound_steps(module.FusedDiTStep(ae, **kwargs), cond))
+                step_cls = module.ClusterDiTStep if module is cluster_dit else module.FusedDiTStep
+                row, out = measure(label, bound_steps(step_cls(ae, **kwargs), cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
             except Exception as exc:  # noqa: BLE001 - a tile shape may not compile
                 row = {'variant': label, 'error': f'{type(exc).__name__}: {str(exc)[:400]}'}

@@ -62,6 +62,7 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+buckets': dict(opt, **exact, **blocks),
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
+        '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
         '+fp8': dict(opt, quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }

@@ -304,6 +304,22 @@ def test_fused_action_expert_on_where_it_cannot_serve_fails_before_the_model_is_
         EngineConfig(model='tiny', fused_action_expert='on')
     with pytest.raises(ValueError, match="fused_action_expert=on needs dtype 'bfloat16'"):
         EngineConfig(model='tiny', device='cuda', dtype='float32', fused_action_expert='on')
+    with pytest.raises(ValueError, match='fused_action_expert=cluster needs a CUDA device'):
+        EngineConfig(model='tiny', fused_action_expert='cluster')
+    with pytest.raises(ValueError, match="fused_action_expert=cluster needs dtype 'bfloat16'"):
+        EngineConfig(model='tiny', device='cuda', dtype='float16', fused_action_expert='cluster')
+
+
+def test_the_cluster_kernel_where_it_cannot_serve_fails_configure_saying_why():
+    """The tiny model's action expert is not the width the kernel is compiled for (on a CPU
+    the reason is the device; the model's widths are checked after it)."""
+    from molmobot_policy.runtime.serving import fused_kernel_choice
+    model = PolicyEngine(EngineConfig(model='tiny')).model
+    config = EngineConfig(model='tiny', compile=True, buckets=(2048,))
+    config.fused_action_expert = 'cluster'       # past __post_init__'s device check
+    with pytest.raises(ValueError, match='fused_action_expert=cluster, but the kernel cannot '
+                                         'serve: needs a CUDA device'):
+        fused_kernel_choice(config, model.action_expert)
 
 
 def test_fused_action_expert_takes_booleans_as_on_off():

@@ -39,7 +39,7 @@ def graphed() -> PolicyEngine:
 
 
 def test_default_engine_runs_the_fused_action_expert_kernel(graphed):
-    assert graphed.mode['fused_action_expert'] == 'on'
+    assert graphed.mode['fused_action_expert'] == 'triton'
 
 
 def test_fused_action_expert_matches_the_blocks_within_bf16_noise(graphed):

@@ -191,7 +191,7 @@ def test_self_attn_engine_in_bf16_matches_the_fp32_reference(self_attn_models, f
                           model=model_bf,
                           contract=RobotContract.numbered(2, SELF_ATTN.state_dim))
     engine.warmup()
-    assert engine.mode['fused_action_expert'] == ('on' if fused == 'on'
+    assert engine.mode['fused_action_expert'] == ('triton' if fused == 'on'
                                                   else 'off (as configured)')
     obs, noise = self_attn_query()
     got = engine.predict(obs, noise=noise).actions_normalized

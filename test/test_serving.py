@@ -248,7 +248,7 @@ def test_fused_kernel_weights_are_prepared_with_per_flow_time_tables(models):
     copied) and one table set per flow step, those of `FusedDiTStep.tables`."""
     from molmobot_policy.runtime import fused_dit
     ae = copy.deepcopy(models['cross_attn'][0]).action_expert
-    served = ServedActionExpert(ae, STEPS, fused=True)
+    served = ServedActionExpert(ae, STEPS, kernel='triton')
     assert len(served.fused_steps) == STEPS
     step = served.fused_steps[3].func
     assert step.w.w1[1].data_ptr() == ae.blocks[1].mlp.fc1.weight.data_ptr()
@@ -271,7 +271,7 @@ x = torch.randn(1, cfg.action_horizon, cfg.action_dim)
 with torch.inference_mode():
     out = {}
     for fused in (False, True):
-        served = ServedActionExpert(ae, 2, fused=fused)
+        served = ServedActionExpert(ae, 2, kernel='triton' if fused else '')
         if fused:      # one launch per phase: the interpreter has no concurrent programs
             for s in served.fused_steps:
                 s.func.phased = True

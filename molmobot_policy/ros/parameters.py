@@ -172,10 +172,12 @@ PARAMETERS = {
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
         'ViT on an H200)', _B)),
     'fused_action_expert': ('auto', descriptor(
-        "each flow step's DiT blocks as one persistent Triton kernel (CUDA, bfloat16 or "
-        'float16)', _S,
-        constraints="'auto' (when compile or cuda_graphs and the kernel can serve), 'on' / "
-                    "true (required: configure fails where it cannot serve), 'off' / false",
+        "each flow step's DiT blocks as one kernel (CUDA): the persistent Triton kernel "
+        '(bfloat16 or float16), or the thread-block-cluster kernel (opt-in: Hopper, bfloat16, '
+        'built with nvcc on first use)', _S,
+        constraints="'auto' (Triton, when compile or cuda_graphs and the kernel can serve), "
+                    "'on' / true / 'triton' (required: configure fails where it cannot "
+                    "serve), 'cluster' (required likewise), 'off' / false",
         dynamic=True)),
     'buckets': ([], descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),

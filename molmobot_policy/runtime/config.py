@@ -12,7 +12,7 @@ from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
-FUSED_AE_MODES = ('auto', 'on', 'off')
+FUSED_AE_MODES = ('auto', 'on', 'off', 'cluster', 'triton')
 
 
 def fused_action_expert_mode(value):
@@ -60,13 +60,16 @@ class EngineConfig:
             kernel, which also accumulates in float32 but rounds the probabilities to bf16,
             for a much faster ViT. No effect when dtype is float32. The pooling attention
             always runs in float32 (`runtime.serving`).
-        fused_action_expert: run each flow step's DiT blocks as one persistent Triton kernel
-            (`runtime.fused_dit`; CUDA, bf16/fp16, with kv_cache): 'auto' (default) uses it
-            when the engine compiles or captures graphs and the kernel can serve the model,
-            else the compiled blocks, with a log line saying why; 'on' requires it (error
-            otherwise; True / False read as 'on' / 'off'); 'off' never. `mode` says which
-            runs and why. Same math within bf16 rounding (closer to float32 than the blocks:
-            the residual stream stays float32 in the kernel).
+        fused_action_expert: run each flow step's DiT blocks as one kernel (CUDA, with
+            kv_cache): 'auto' (default) runs the persistent Triton kernel
+            (`runtime.fused_dit`: bf16/fp16) when the engine compiles or captures graphs and
+            the kernel can serve the model, else the compiled blocks, with a log line saying
+            why; 'on' / 'triton' require it (error otherwise; True / False read as 'on' /
+            'off'); 'cluster' requires the thread-block-cluster kernel (`runtime.cluster_dit`:
+            Hopper, bf16, the full-size expert's widths; built with nvcc on first use);
+            'off' never. `mode` says which runs and why. Same math within bf16 rounding
+            (closer to float32 than the blocks: the residual stream stays float32 in the
+            kernels).
         instruction: default instruction, used when an observation carries none.
     """
 
@@ -103,16 +106,20 @@ class EngineConfig:
         if self.fused_action_expert not in FUSED_AE_MODES:
             raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
                              f'{self.fused_action_expert!r}')
-        if self.fused_action_expert == 'on':
+        mode = self.fused_action_expert
+        if mode in ('on', 'cluster', 'triton'):
             if not self.kv_cache:
-                raise ValueError('fused_action_expert=on needs kv_cache=true (the kernel reads '
-                                 'the cached cross-attention K/V)')
+                raise ValueError(f'fused_action_expert={mode} needs kv_cache=true (the kernel '
+                                 'reads the cached cross-attention K/V)')
             if not self.device.startswith('cuda'):
-                raise ValueError(f'fused_action_expert=on needs a CUDA device, got '
+                raise ValueError(f'fused_action_expert={mode} needs a CUDA device, got '
                                  f'device={self.device!r}')
             if self.dtype == 'float32':
-                raise ValueError("fused_action_expert=on needs dtype 'bfloat16' or 'float16', "
-                                 "got 'float32'")
+                raise ValueError(f"fused_action_expert={mode} needs dtype 'bfloat16' or "
+                                 "'float16', got 'float32'")
+            if mode == 'cluster' and self.dtype != 'bfloat16':
+                raise ValueError(f"fused_action_expert=cluster needs dtype 'bfloat16', got "
+                                 f'{self.dtype!r}')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))

@@ -286,8 +286,8 @@ class PolicyEngine:
                 'compile': str(c.compile), 'cuda_graphs': str(c.cuda_graphs),
                 'kv_cache': str(c.kv_cache), 'fp8': self.served.fp8,
                 'vit_fp32_attention': str(c.vit_fp32_attention),
-                'fused_action_expert': f'off ({self.served.fused_reason})'
-                if self.served.fused_reason else 'on',
+                'fused_action_expert': (self.served.fused_kernel or 'off') + (
+                    f' ({self.served.fused_reason})' if self.served.fused_reason else ''),
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps),
                 'cameras': str(len(self.contract.camera_names))}

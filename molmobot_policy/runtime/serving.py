@@ -143,10 +143,11 @@ class ServedActionExpert:
         ae: the model's `ActionExpert`, on its serving device and dtype.
         flow_steps: Euler steps; the AdaLN modulation of each flow time i / flow_steps is
             computed once (it depends on the weights only).
-        fused: run each flow step's blocks as the fused kernel (`runtime.fused_dit`).
+        kernel: run each flow step's blocks as one kernel: 'triton' (`runtime.fused_dit`),
+            'cluster' (`runtime.cluster_dit`), or '' (the blocks).
     """
 
-    def __init__(self, ae: ActionExpert, flow_steps: int, fused: bool = False) -> None:
+    def __init__(self, ae: ActionExpert, flow_steps: int, kernel: str = '') -> None:
         self.ae = ae
         params = [block.attn2.kv_proj.weight for block in ae.blocks]
         if not is_stack_of(getattr(ae, 'served_kv_weight', None), params):
@@ -161,9 +162,13 @@ class ServedActionExpert:
                 (1,), i / flow_steps, device=device, dtype=torch.float32))
                 for i in range(flow_steps)]
             self.fused_steps = None
-            if fused:
-                from molmobot_policy.runtime import fused_dit
-                step = fused_dit.FusedDiTStep(ae)    # stacks the blocks' weights in place
+            if kernel:
+                if kernel == 'cluster':
+                    from molmobot_policy.runtime import cluster_dit
+                    step = cluster_dit.ClusterDiTStep(ae)   # stacks and repacks the weights
+                else:
+                    from molmobot_policy.runtime import fused_dit
+                    step = fused_dit.FusedDiTStep(ae)   # stacks the blocks' weights in place
                 self.fused_steps = [functools.partial(step, tables=step.tables(c.blocks))
                                     for c in self.conditioning]
 
@@ -189,25 +194,35 @@ class ServedActionExpert:
         return self.ae.velocity_from_conditioning(x_t, self.conditioning[step], ctx, blocks_fn)
 
 
-def fused_kernel_reason(config, ae: ActionExpert) -> str:
-    """'' when the fused DiT kernel serves `ae` under `config` (`EngineConfig`), else why not
-    (for `PolicyEngine.mode` and a log line). Raises ValueError where
-    `fused_action_expert='on'` and the kernel cannot serve."""
-    if config.fused_action_expert == 'off':
-        return 'as configured'
+def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
+    """Which kernel runs the DiT blocks of each flow step under `config` (`EngineConfig`):
+    (kernel, reason) with kernel 'triton' (`runtime.fused_dit`; 'auto', 'on', 'triton'),
+    'cluster' (`runtime.cluster_dit`; 'cluster' only: docs/decisions/cluster-dit-kernel.md
+    says why it is not the default) or '' (the compiled blocks), and why no kernel serves
+    ('' when one does), for `PolicyEngine.mode` and a log line. Raises ValueError where
+    `fused_action_expert` requires a kernel ('on', 'triton', 'cluster') that cannot serve."""
+    mode = config.fused_action_expert
+    if mode == 'off':
+        return '', 'as configured'
     if not config.kv_cache:
-        return 'kv_cache=false'
-    from molmobot_policy.runtime import fused_dit
+        return '', 'kv_cache=false'
+    if mode == 'auto' and not (config.compile or config.cuda_graphs):
+        return '', 'auto uses it with compile or cuda_graphs'
+    from molmobot_policy.runtime import cluster_dit, fused_dit
     param = next(ae.parameters())
+    if mode == 'cluster':
+        reason = cluster_dit.unavailable_reason(ae, param.device, param.dtype)
+        if reason:
+            raise ValueError(f'fused_action_expert=cluster, but the kernel cannot serve: '
+                             f'{reason}')
+        return 'cluster', ''
     reason = fused_dit.unavailable_reason(ae, param.device, param.dtype)
-    if reason:
-        if config.fused_action_expert == 'on':
-            raise ValueError(f'fused_action_expert=on, but the kernel cannot serve: {reason}')
-        log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
-        return reason
-    if config.fused_action_expert == 'auto' and not (config.compile or config.cuda_graphs):
-        return 'auto uses it with compile or cuda_graphs'
-    return ''
+    if not reason:
+        return 'triton', ''
+    if mode != 'auto':
+        raise ValueError(f'fused_action_expert={mode}, but the kernel cannot serve: {reason}')
+    log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
+    return '', reason
 
 
 def _quantize_(model, quantize: str) -> str:
@@ -228,12 +243,15 @@ class ServedModel:
 
     model: the `MolmoBot`, its modules changed in place. action_expert: its served flow head.
     fp8: granularity of the fp8 LLM Linears ('rowwise', 'tensor' or 'none').
-    fused_reason: why the fused DiT kernel does not serve ('' when it does).
+    fused_kernel: the kernel that runs each flow step's blocks: 'cluster', 'triton' or ''
+        (the compiled blocks). fused_reason: why the preferred kernel does not serve ('' when
+        it does).
     """
 
     model: nn.Module
     action_expert: ServedActionExpert
     fp8: str
+    fused_kernel: str
     fused_reason: str
 
 
@@ -245,7 +263,7 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     and fused-kernel tables for its `flow_steps`).
 
     Raises:
-        ValueError: fused_action_expert='on' where the kernel cannot serve.
+        ValueError: fused_action_expert requires a kernel that cannot serve.
     """
     model.eval().requires_grad_(False)
     on_cuda = next(model.parameters()).is_cuda
@@ -259,9 +277,9 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     if not isinstance(vision.image_pooling_2d, PoolingWindowAttention):
         vision.image_pooling_2d = PoolingWindowAttention(vision.image_pooling_2d)
     fp8 = _quantize_(model, config.quantize)
-    reason = fused_kernel_reason(config, model.action_expert)
-    served = ServedActionExpert(model.action_expert, flow_steps, fused=not reason)
+    kernel, reason = fused_kernel_choice(config, model.action_expert)
+    served = ServedActionExpert(model.action_expert, flow_steps, kernel)
     if config.compile:     # one-pass row reductions on CUDA: `compile.served_row_limit`
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
-    return ServedModel(model, served, fp8, reason)
+    return ServedModel(model, served, fp8, kernel, reason)

@@ -1,0 +1,117 @@
+"""Where a block-step of the cluster DiT kernel (runtime/cluster_dit.py) spends its time.
+
+Builds the full-size action expert alone (36 blocks x 768, random N(0, 0.02) weights, bf16)
+and one flow step's inputs (a 1664-token context + the state token), then:
+
+- times one step (median of `--iters` launches, CUDA events, tables precomputed) in the
+  kernel's benchmark modes (wrong outputs by design): 0 as served, 1 nothing streams
+  (weights and K/V left in the ring: the rest of the kernel alone), 2 the exchanges through
+  global memory do not wait, 3 both, 4 the copies issued with zero bytes (the issue's cost
+  without the traffic);
+- runs one step with the kernel's clock trace (thread 0 of every CTA stamps clock64 at 24
+  points of each block) and prints, per phase, the median over blocks 1..35 of CTA 0, the
+  median over the 64 CTAs and their maximum, in us at `--mhz`.
+
+    python3 benchmarks/profile_cluster_dit.py --out $OUT/profile_cluster_dit.json   (H200: ~2 min,
+                                                            of which ~1 min builds the kernel)
+
+Writes JSON with `common.provenance()`. CUDA (sm_90) only; elsewhere it says why and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import common
+from molmobot_policy.model import action_expert as ae_mod
+from molmobot_policy.model.config import MolmoBotConfig
+from molmobot_policy.runtime import cluster_dit
+
+PHASES = ['LN1 broadcast', 'q|k|v wait', 'q|k|v GEMM', 'cluster barrier', 'self-attention',
+          'self proj', 'exchange 1', 'residual 1', 'LN2 broadcast', 'cross q + barrier',
+          'K wait', 'scores + softmax', 'V wait', 'P V', 'cluster barrier', 'combine + barrier',
+          'cross proj', 'exchange 2', 'residual 2 + LN3', 'fc1 wait', 'fc1 + barrier', 'fc2',
+          'exchange 3 + residual 3']
+MODES = {0: 'as served', 1: 'no streaming', 2: 'exchanges do not wait', 3: 'neither',
+         4: 'copies issued empty'}
+
+
+def median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--iters', type=int, default=50)
+    parser.add_argument('--mhz', type=float, default=1980.0,
+                        help='SM clock for the trace (the H200 runs at up to 1980 MHz)')
+    parser.add_argument('--out', default=None)
+    args = parser.parse_args(argv)
+    dev = torch.device('cuda')
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print('needs an sm_90 CUDA device')
+        return 2
+    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
+    torch.manual_seed(0)
+    ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
+                             cfg.action_horizon, cfg.states_mode)
+    with torch.no_grad():
+        for p in ae.parameters():
+            p.normal_(0.0, 0.02)
+    ae = ae.to(dev, torch.bfloat16).eval()
+    reason = cluster_dit.unavailable_reason(ae, dev, torch.bfloat16, 1680)
+    if reason:
+        print(f'the cluster kernel cannot serve: {reason}')
+        return 2
+    with torch.inference_mode():
+        hidden = torch.randn(len(ae.blocks), 1, 1664, cfg.llm.d_model, device=dev,
+                             dtype=torch.bfloat16)
+        mask = torch.ones(1, 1664, dtype=torch.bool, device=dev)
+        mask[:, -25:] = False
+        states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev)
+        noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, device=dev)
+        ctx = ae.prepare_context(hidden, mask, states.to(torch.bfloat16))
+        mod = ae.time_conditioning(torch.full((1,), 0.3, device=dev)).blocks
+        x = ae.embed_actions(noise, ctx.state_tokens)
+        step = cluster_dit.ClusterDiTStep(ae)
+        tables = step.tables(mod)
+        modes = {}
+        for mode, label in MODES.items():
+            step.mode = mode
+            modes[label] = median_ms(lambda: step(x, mod, ctx, tables), args.iters)
+            print(f'mode {mode} ({label}): {modes[label]:.3f} ms per step', flush=True)
+        step.mode = 0
+        nb = len(ae.blocks)
+        step.trace = torch.zeros(64, nb, len(PHASES) + 1, dtype=torch.int64, device=dev)
+        step(x, mod, ctx, tables)
+        torch.cuda.synchronize()
+        stamps = step.trace.cpu().double() / args.mhz             # us
+    per_phase = (stamps[:, 1:, 1:] - stamps[:, 1:, :-1]).median(dim=1).values   # (64, 23)
+    block = (stamps[:, 1:, 0] - stamps[:, :-1, 0]).median()
+    rows = [{'phase': name, 'cta0_us': float(per_phase[0, i]),
+             'median_us': float(per_phase[:, i].median()), 'max_us': float(per_phase[:, i].max())}
+            for i, name in enumerate(PHASES)]
+    print(f'\nblock-step (median over blocks and CTAs): {float(block):.2f} us at {args.mhz:.0f} MHz')
+    common.print_table(['phase', 'CTA 0 us', 'median us', 'max us'],
+                       [[r['phase'], r['cta0_us'], r['median_us'], r['max_us']] for r in rows])
+    if args.out:
+        common.write_json(args.out, {**common.provenance(), 'step_ms_by_mode': modes,
+                                     'block_step_us': float(block), 'mhz': args.mhz,
+                                     'phases': rows})
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

@@ -1,0 +1,915 @@
+// One flow step of the action expert's DiT blocks as one kernel of thread-block clusters
+// (CUDA C++, sm_90). The design and its reasons: molmobot_policy/runtime/cluster_dit.py.
+//
+// Grid: H clusters of R = 8 CTAs, cluster h = attention head h, CTA r = rank in the cluster.
+// Every cluster keeps its own copy of the float32 residual stream x (T <= 16 rows x D), split
+// by columns over its CTAs (CTA r holds columns [r * CW, (r + 1) * CW)); all clusters compute
+// the same bits of x (same inputs, same summation order). Per block, CTA (h, r):
+//   LN1: xm = x * (1 + scale1) and the row sums of its columns to every CTA of the cluster
+//        (distributed shared memory, one cluster barrier);
+//   q|k|v of head h: 4 or 5 of the head's 36 n-tiles of 8 columns (LayerNorm in the epilogue:
+//        rstd * (xm W^T - mean u) + v + b, u = W (1 + scale), v = W shift) -> every CTA;
+//   self-attention of head h (every CTA, redundantly, float32);
+//   proj: the head's partial o_h Wo[:, head]^T for output columns [r CW, (r+1) CW) -> global;
+//   exchange: CTA (h, r) waits for the 8 CTAs (*, r) (a counter per r), sums the 8 head
+//        partials in head order, x += gate1 * (sum + bias);
+//   LN2, cross q (1 or 2 n-tiles), cross-attention of head h over this CTA's eighth of the
+//        keys (flash-decoding partials), combined over the cluster; proj partial, exchange;
+//   LN3, fc1 + GELU: 48 of the cluster's 384 hidden units -> every CTA; fc2: the cluster's
+//        partial over its 384 hidden units for columns [r CW, (r+1) CW) -> global; exchange.
+// Weights and cached K/V stream through a ring of shared-memory slots by bulk asynchronous
+// copies (TMA) issued RING slots ahead of their use: weights never depend on activations.
+// Reductions are in fixed order and no float atomics are used: replays give the same bits.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+typedef __nv_bfloat16 bf16;
+
+namespace cdit {
+
+constexpr int D = 768, H = 8, HD = 96, F = 3072, R = 8;
+constexpr int CW = D / R;                 // residual columns per CTA (96)
+constexpr int FH = F / H;                 // hidden units per cluster (384)
+constexpr int FW = FH / R;                // per CTA (48)
+constexpr int MR = 16;                    // token rows (one mma m-tile): T <= 16
+constexpr int THREADS = 256, WARPS = 8;
+constexpr int SLOT = 12288, SLOT_E = SLOT / 2;
+constexpr int WSLOTS = 23;                // weight slots per (block, head, rank)
+constexpr int GROUP_E = 16 * HD;          // elements of one 16-key group of K (or V)
+constexpr int GROUPS_PER_SLOT = SLOT_E / GROUP_E;   // 4
+constexpr int MAX_KV_SLOTS = 4;
+constexpr int KEYMAX = MAX_KV_SLOTS * GROUPS_PER_SLOT * 16;   // 256 keys per CTA
+constexpr int QKV_NT = 3 * HD / 8;        // 36 n-tiles of a head's q|k|v
+constexpr int Q2_NT = HD / 8;             // 12
+constexpr int LDX = D + 8, LDQKV = 3 * HD + 8, LDH = HD + 8, LDA = FH + 8, LDP = KEYMAX + 8;
+constexpr int OD = HD / R;                // head dims whose cross-attention combine a CTA owns (12)
+constexpr int LDS = 24;                   // self-attention probabilities (bf16 16 x 16, padded)
+constexpr int RING = 11;
+
+// the epilogue operands of one block for this CTA (byte offsets in one of two buffers,
+// copied a block ahead by cp.async): scale / gate of the three sublayers, the residual
+// biases, and u, v, bias of its q|k|v, cross q and fc1 columns
+constexpr int OP_SC1 = 0, OP_G1 = 192, OP_SC2 = 384, OP_G2 = 576, OP_SC3 = 768, OP_G3 = 960;
+constexpr int OP_BO1 = 1152, OP_BO2 = 1344, OP_B2 = 1536;
+constexpr int OP_QU = 1728, OP_QV = 1888, OP_QB = 2048;      // 5 n-tiles: 40 f32, 40 f32, 40 bf16
+constexpr int OP_CU = 2128, OP_CV = 2192, OP_CB = 2256;      // 2 n-tiles: 16, 16, 16
+constexpr int OP_FU = 2288, OP_FV = 2480, OP_FB = 2672;      // 48, 48, 48
+constexpr int OP_BYTES = 2768, OP_CHUNKS = OP_BYTES / 16;    // 173 copies of 16 bytes
+
+// shared memory, byte offsets
+constexpr int OFF_RING = 0;
+constexpr int OFF_XA = OFF_RING + RING * SLOT;          // bf16 MR x LDX
+constexpr int OFF_STATS = OFF_XA + MR * LDX * 2;        // float2 R x MR
+constexpr int OFF_XS = OFF_STATS + R * MR * 8;          // float MR x CW
+constexpr int OFF_QKV = OFF_XS + MR * CW * 4;           // bf16 MR x LDQKV
+constexpr int OFF_OH = OFF_QKV + MR * LDQKV * 2;        // bf16 MR x LDH
+constexpr int OFF_Q2 = OFF_OH + MR * LDH * 2;           // bf16 MR x LDH
+constexpr int OFF_IN = OFF_Q2 + MR * LDH * 2;           // float R x MR x OD: partials of my dims
+constexpr int OFF_ML = OFF_IN + R * MR * OD * 4;        // float2 R x MR: their row max and sum
+constexpr int OFF_AH = OFF_ML + R * MR * 8;             // bf16 MR x LDA; probabilities alias
+constexpr int OFF_RED = OFF_AH + MR * LDA * 2;          // float, RED_BYTES
+constexpr int RED_BYTES = 12288;
+constexpr int OFF_MRS = OFF_RED + RED_BYTES;            // float 2 x MR
+constexpr int OFF_OPS = OFF_MRS + 2 * MR * 4;           // 2 x OP_BYTES
+constexpr int OFF_MB = OFF_OPS + 2 * OP_BYTES;          // bf16 KEYMAX: this CTA's mask bias
+constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING
+constexpr int SMEM_BYTES = OFF_BARS + RING * 8;
+static_assert(MR * LDP * 2 <= MR * LDA * 2, "probabilities must fit in ah");
+static_assert(OFF_XA % 128 == 0 && OFF_RED % 16 == 0 && OFF_OPS % 16 == 0 && OFF_BARS % 8 == 0,
+              "alignment");
+static_assert(SMEM_BYTES <= 232448, "shared memory");
+
+struct Params {
+    const bf16 *x_in;       // (T, D) the step's input tokens
+    bf16 *out;              // (T, D) its output
+    const bf16 *mod;        // (nb, 9, D): shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
+    const float *tables;    // (2, nb, 4D + F): u, v of the LayerNorm-fed GEMMs
+    const bf16 *wp;         // (nb, H, R, WSLOTS * SLOT_E) packed weights
+    const bf16 *bq1, *bkv1, *bo1, *bq2, *bo2, *b1, *b2;
+    const bf16 *kp, *vp;    // (nb, H, S * HD) packed cross-attention K / V
+    const bf16 *mask_bias;  // (S,) additive
+    float *part;            // (3, H, MR, D) head partials of the three exchanges
+    unsigned *counters;     // R counters, 32 words apart, zero at launch
+    long long *trace;       // null, or (H * R, nb, TRACE_POINTS) clock64 stamps (benchmarks)
+    int T, S, nb, nkv, prefetch, mode;   // mode bits (benchmarks): 1 no streaming, 2 no exchange
+                                         // waits, 4 copies issued empty
+    float eps, sm_scale;
+};
+constexpr int TRACE_POINTS = 24;
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes,
+                                          uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes),
+                 "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void *src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void red_release(unsigned *p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A fragment of rows [0, 16), k [k0, k0 + 16) of a row-major bf16 matrix in shared memory
+__device__ __forceinline__ void load_a(uint32_t a[4], const bf16 *A, int ld, int k0, int g,
+                                       int t) {
+    const bf16 *p = A + g * ld + k0 + 2 * t;
+    a[0] = *reinterpret_cast<const uint32_t *>(p);
+    a[1] = *reinterpret_cast<const uint32_t *>(p + 8 * ld);
+    a[2] = *reinterpret_cast<const uint32_t *>(p + 8);
+    a[3] = *reinterpret_cast<const uint32_t *>(p + 8 * ld + 8);
+}
+
+// the per-CTA stream: items 0 .. nb * ipb - 1, item i in ring slot i % RING
+struct Stream {
+    const Params *p;
+    int h, r, ipb, total, g0, gr, ntv, ntv2;
+    __device__ void src(int item, const bf16 *&ptr, unsigned &bytes) const {
+        const int b = item / ipb, l = item % ipb, nkv = p->nkv;
+        if (l < 9 || l >= 9 + 2 * nkv) {
+            const int w = l < 9 ? l : l - 2 * nkv;
+            ptr = p->wp + ((size_t)(b * H + h) * R + r) * (WSLOTS * SLOT_E) + (size_t)w * SLOT_E;
+            if (w < 5) bytes = w < ntv ? SLOT : 0;
+            else if (w == 6 || w == 10) bytes = SLOT / 2;      // the proj's 1.5 slots
+            else if (w == 7 || w == 8) bytes = w - 7 < ntv2 ? SLOT : 0;
+            else bytes = SLOT;
+        } else {
+            int q = l - 9;
+            const bf16 *base = p->kp;
+            if (q >= nkv) { q -= nkv; base = p->vp; }
+            const int n = max(0, min(GROUPS_PER_SLOT, gr - q * GROUPS_PER_SLOT));
+            ptr = base + (size_t)(b * H + h) * p->S * HD
+                  + (size_t)(g0 + q * GROUPS_PER_SLOT) * GROUP_E;
+            bytes = n * GROUP_E * 2;
+        }
+    }
+};
+
+struct Ring {
+    unsigned char *base;
+    uint64_t *bars;
+    bool on;                // false: nothing streams (benchmarks: the rest of the kernel alone)
+    __device__ const unsigned char *ptr(int item) const { return base + (item % RING) * SLOT; }
+    __device__ void wait(int item) const {
+        if (on) mbar_wait(bars + item % RING, (item / RING) & 1);
+    }
+};
+
+// warp 0 (all lanes): issues the items up to (not including) `upto`, one per lane, each into
+// its slot, and an L2 prefetch of the item `prefetch` ahead of it
+__device__ __forceinline__ void issue_upto(const Stream &st, const Ring &ring, int &issued,
+                                           int upto) {
+    upto = min(upto, st.total);
+    if (issued >= upto) return;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    for (int i = issued + (int)(threadIdx.x & 31); i < upto; i += 32) {
+        const bf16 *src;
+        unsigned bytes;
+        st.src(i, src, bytes);
+        uint64_t *bar = ring.bars + i % RING;
+        if (st.p->mode & 4) bytes = 0;          // benchmarks: the issue without the copies
+        mbar_expect_tx(bar, bytes);
+        if (bytes) bulk_copy(ring.base + (i % RING) * SLOT, src, bytes, bar);
+        const int ahead = i + st.p->prefetch;
+        if (st.p->prefetch > 0 && ahead < st.total) {
+            st.src(ahead, src, bytes);
+            if (bytes) prefetch_l2(src, bytes);
+        }
+    }
+    issued = upto;
+}
+
+// warp w issues the items up to `upto`; every thread advances its count of issued items
+__device__ __forceinline__ void issue_by(int w, const Stream &st, const Ring &ring, int &issued,
+                                         int upto) {
+    if ((int)(threadIdx.x / 32) == w) {
+        int mine = issued;
+        issue_upto(st, ring, mine, upto);
+    }
+    issued = max(issued, min(upto, st.total));
+}
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
+// block b's epilogue operands of CTA (h, r) into `ops` (one cp.async group, every thread)
+__device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, int j0, int ntv,
+                                         int q0, int ntv2, unsigned char *ops) {
+    const int c = threadIdx.x;
+    if (b < p.nb && c < OP_CHUNKS) {
+        const size_t tw = 4 * D + F;
+        const float *u = p.tables + (size_t)b * tw, *v = p.tables + (size_t)(p.nb + b) * tw;
+        const void *src = nullptr;
+        int dst = 0;
+        if (c < 72) {                       // scale1 gate1 scale2 gate2 scale3 gate3
+            const int which = c / 12, k = c % 12;
+            const int row = 1 + which + which / 2;                  // 1 2 4 5 7 8
+            src = p.mod + ((size_t)b * 9 + row) * D + r * CW + k * 8;
+            dst = which * 192 + k * 16;
+        } else if (c < 108) {               // bo1, bo2 (the context's out_bias), b2
+            const int which = (c - 72) / 12, k = (c - 72) % 12;
+            const bf16 *bias = which == 0 ? p.bo1 : which == 1 ? p.bo2 : p.b2;
+            src = bias + (size_t)b * D + r * CW + k * 8;
+            dst = OP_BO1 + which * 192 + k * 16;
+        } else if (c < 133) {               // q|k|v n-tiles: u (2 chunks), v (2), bias (1)
+            const int i = (c - 108) / 5, kind = (c - 108) % 5;
+            if (i < ntv) {
+                const int jj = j0 + i, part = jj / Q2_NT, w = (jj % Q2_NT) * 8;
+                const int n = part * D + h * HD + w;
+                if (kind < 2) { src = u + n + kind * 4; dst = OP_QU + i * 32 + kind * 16; }
+                else if (kind < 4) { src = v + n + (kind - 2) * 4; dst = OP_QV + i * 32 + (kind - 2) * 16; }
+                else {
+                    src = part == 0 ? p.bq1 + (size_t)b * D + h * HD + w
+                                    : p.bkv1 + (size_t)b * 2 * D + (part - 1) * D + h * HD + w;
+                    dst = OP_QB + i * 16;
+                }
+            }
+        } else if (c < 143) {               // cross q n-tiles
+            const int i = (c - 133) / 5, kind = (c - 133) % 5;
+            if (i < ntv2) {
+                const int w = (q0 + i) * 8, n = 3 * D + h * HD + w;
+                if (kind < 2) { src = u + n + kind * 4; dst = OP_CU + i * 32 + kind * 16; }
+                else if (kind < 4) { src = v + n + (kind - 2) * 4; dst = OP_CV + i * 32 + (kind - 2) * 16; }
+                else { src = p.bq2 + (size_t)b * D + h * HD + w; dst = OP_CB + i * 16; }
+            }
+        } else {                            // fc1: 48 hidden units
+            const int q = c - 143, hid = h * FH + r * FW;
+            if (q < 12) { src = u + 4 * D + hid + q * 4; dst = OP_FU + q * 16; }
+            else if (q < 24) { src = v + 4 * D + hid + (q - 12) * 4; dst = OP_FV + (q - 12) * 16; }
+            else { src = p.b1 + (size_t)b * F + hid + (q - 24) * 8; dst = OP_FB + (q - 24) * 16; }
+        }
+        if (src) cp_async16(ops + dst, src);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// y = A (MR x KS*16, shared, row stride lda) @ W^T over NT n-tiles of 8 (ntv of them valid),
+// W's B fragments packed (n-tile, k-step, lane, 4 halves) in the ring from item it0 on (an
+// n-tile never straddles two slots). Warps: NSPLIT groups of n-tiles x (8 / NSPLIT) K ranges;
+// partials summed in fixed order; then epi(row, col, v0, v1) for column pairs of the valid
+// n-tiles. The slots may be reused once it returns.
+template <int NT, int KS, int NSPLIT, class Epi>
+__device__ __forceinline__ void gemm(const bf16 *A, int lda, const Ring &ring, int it0, int ntv,
+                                     float *red, Epi epi) {
+    constexpr int KSPLIT = WARPS / NSPLIT, NTW = NT / NSPLIT, KSW = KS / KSPLIT, NC = NT * 8;
+    constexpr int NTB = KS * 256;                                    // bytes of one n-tile
+    static_assert(NT % NSPLIT == 0 && KS % KSPLIT == 0, "split");
+    static_assert(KSPLIT * MR * NC * 4 <= RED_BYTES, "red");
+    static_assert(SLOT % NTB == 0, "an n-tile within one slot");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int ng = warp % NSPLIT, kg = warp / NSPLIT;
+    const unsigned char *bp[NTW];
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+        const int jj = ng * NTW + j;
+        bp[j] = ring.ptr(it0 + (jj * NTB) / SLOT) + (jj * NTB) % SLOT + lane * 8;
+    }
+    float c[NTW][4];
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+#pragma unroll 4
+    for (int s = kg * KSW; s < (kg + 1) * KSW; ++s) {
+        uint32_t a[4];
+        load_a(a, A, lda, s * 16, g, t);
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+            if (ng * NTW + j < ntv) {
+                const uint2 b = *reinterpret_cast<const uint2 *>(bp[j] + s * 256);
+                mma16816(c[j], a, b.x, b.y);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+        const int col = (ng * NTW + j) * 8 + 2 * t;
+        float *r0 = red + (kg * MR + g) * NC + col;
+        *reinterpret_cast<float2 *>(r0) = make_float2(c[j][0], c[j][1]);
+        *reinterpret_cast<float2 *>(r0 + 8 * NC) = make_float2(c[j][2], c[j][3]);
+    }
+    __syncthreads();
+    const int pairs = MR * ntv * 4;
+    for (int e = threadIdx.x; e < pairs; e += THREADS) {
+        const int row = e / (ntv * 4), col = 2 * (e % (ntv * 4));
+        float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+        for (int q = 0; q < KSPLIT; ++q) {
+            const float2 v = *reinterpret_cast<const float2 *>(red + (q * MR + row) * NC + col);
+            v0 += v.x;
+            v1 += v.y;
+        }
+        epi(row, col, v0, v1);
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float gelu(float x) {
+    return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+}
+__device__ __forceinline__ float bf(const bf16 *p, int i) { return __bfloat162float(p[i]); }
+
+// xm = x * (1 + scale) of this CTA's columns and their row sums / sums of squares, to every CTA
+// of the cluster; then the row statistics (mean, 1 / std) from all of them into mrs
+__device__ __forceinline__ void ln_broadcast(cg::cluster_group &cluster, const float *xs,
+                                             const bf16 *scale, bf16 *xa, float2 *stats,
+                                             float *mrs, int r, float eps) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    for (int e = tid; e < MR * CW / 8; e += THREADS) {
+        const int row = e / (CW / 8), c8 = (e % (CW / 8)) * 8;
+        const float *x = xs + row * CW + c8;
+        uint4 packed;
+        __nv_bfloat162 *o = reinterpret_cast<__nv_bfloat162 *>(&packed);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            o[i] = __floats2bfloat162_rn(x[2 * i] * (1.f + bf(scale, c8 + 2 * i)),
+                                         x[2 * i + 1] * (1.f + bf(scale, c8 + 2 * i + 1)));
+#pragma unroll
+        for (int dst = 0; dst < R; ++dst)
+            *reinterpret_cast<uint4 *>(cluster.map_shared_rank(xa, dst) + row * LDX + r * CW + c8)
+                = packed;
+    }
+    for (int row = warp; row < MR; row += WARPS) {
+        float s = 0.f, q = 0.f;
+        for (int c = lane; c < CW; c += 32) {
+            const float x = xs[row * CW + c];
+            s += x;
+            q += x * x;
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, m);
+            q += __shfl_xor_sync(0xffffffffu, q, m);
+        }
+        if (lane < R) cluster.map_shared_rank(stats, lane)[r * MR + row] = make_float2(s, q);
+    }
+    cluster.sync();
+    if (tid < MR) {
+        float s = 0.f, q = 0.f;
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            const float2 v = stats[j * MR + tid];
+            s += v.x;
+            q += v.y;
+        }
+        const float mean = s / D;
+        const float var = fmaxf(q / D - mean * mean, 0.f);
+        mrs[tid] = mean;
+        mrs[MR + tid] = 1.f / sqrtf(var + eps);
+    }
+    // the next GEMM's __syncthreads (before its epilogue) orders mrs
+}
+
+// the cluster barrier in two halves: work between them (the stream's next copies) does not
+// hold the other CTAs back
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// this CTA's partial is written: count it, and wait until the counter reaches target (all H
+// partials of these columns); side() runs on every thread meanwhile (thread 0 after its
+// arrival, before its wait)
+template <class Side>
+__device__ __forceinline__ void arrive_and_wait(unsigned *ctr, unsigned target, bool wait,
+                                                Side side) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        red_release(ctr);
+    }
+    side();
+    if (threadIdx.x == 0) {
+        while (wait && ld_acquire(ctr) < target) {
+        }
+    }
+    __syncthreads();
+}
+
+// x[:, r CW : (r+1) CW] += gate * (sum over heads of part[sub] + bias), rows < T; bias and
+// gate: this CTA's columns (shared memory)
+__device__ __forceinline__ void residual_update(const Params &p, int sub, int r, const bf16 *bias,
+                                                const bf16 *gate, float *xs) {
+    const float *P = p.part + (size_t)sub * H * MR * D;
+    for (int e = threadIdx.x; e < p.T * CW / 4; e += THREADS) {
+        const int row = e / (CW / 4), c4 = (e % (CW / 4)) * 4, col = r * CW + c4;
+        float4 v[H];
+#pragma unroll
+        for (int hh = 0; hh < H; ++hh)
+            v[hh] = __ldcg(reinterpret_cast<const float4 *>(P + ((size_t)hh * MR + row) * D + col));
+        float4 s = v[0];
+#pragma unroll
+        for (int hh = 1; hh < H; ++hh) {
+            s.x += v[hh].x;
+            s.y += v[hh].y;
+            s.z += v[hh].z;
+            s.w += v[hh].w;
+        }
+        const float sv[4] = {s.x, s.y, s.z, s.w};
+        float *x = xs + row * CW + c4;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] += bf(gate, c4 + i) * (sv[i] + bf(bias, c4 + i));
+    }
+    __syncthreads();
+}
+
+#define STAMP(i) do { if (trace && threadIdx.x == 0) trace[i] = clock64(); } while (0)
+
+__global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
+    cg::cluster_group cluster = cg::this_cluster();
+    const int r = (int)cluster.block_rank(), h = blockIdx.x / R;
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16 *xa = reinterpret_cast<bf16 *>(smem + OFF_XA);
+    float2 *stats = reinterpret_cast<float2 *>(smem + OFF_STATS);
+    float *xs = reinterpret_cast<float *>(smem + OFF_XS);
+    bf16 *qkv = reinterpret_cast<bf16 *>(smem + OFF_QKV);
+    bf16 *oh = reinterpret_cast<bf16 *>(smem + OFF_OH);
+    bf16 *q2 = reinterpret_cast<bf16 *>(smem + OFF_Q2);
+    float *inbox = reinterpret_cast<float *>(smem + OFF_IN);
+    float2 *inml = reinterpret_cast<float2 *>(smem + OFF_ML);
+    bf16 *ah = reinterpret_cast<bf16 *>(smem + OFF_AH);
+    bf16 *probs = reinterpret_cast<bf16 *>(smem + OFF_AH);
+    float *red = reinterpret_cast<float *>(smem + OFF_RED);
+    float *mrs = reinterpret_cast<float *>(smem + OFF_MRS);
+    bf16 *mbias = reinterpret_cast<bf16 *>(smem + OFF_MB);
+    const Ring ring{smem + OFF_RING, reinterpret_cast<uint64_t *>(smem + OFF_BARS),
+                    !(p.mode & 1)};
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+    const int T = p.T, nkv = p.nkv, ipb = WSLOTS + 2 * nkv;
+    const int G = p.S / 16, g0 = r * G / R, gr = (r + 1) * G / R - g0;
+    const int j0 = r * QKV_NT / R, ntv = (r + 1) * QKV_NT / R - j0;      // q|k|v n-tiles
+    const int q0 = r * Q2_NT / R, ntv2 = (r + 1) * Q2_NT / R - q0;       // cross q n-tiles
+    const Stream st{&p, h, r, ipb, p.nb * ipb, g0, gr, ntv, ntv2};
+    unsigned *ctr = p.counters + r * 32;
+    const bool exchange = !(p.mode & 2);
+    int issued = ring.on ? 0 : st.total;
+    if (tid == 0) {
+        for (int s = 0; s < RING; ++s) mbar_init(ring.bars + s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    issue_by(0, st, ring, issued, RING);
+    load_ops(p, 0, h, r, j0, ntv, q0, ntv2, smem + OFF_OPS);
+    for (int e = tid; e < MR * CW; e += THREADS) {
+        const int row = e / CW, c = e % CW;
+        xs[e] = row < T ? __bfloat162float(p.x_in[row * D + r * CW + c]) : 0.f;
+    }
+    for (int k = tid; k < gr * 16; k += THREADS) mbias[k] = p.mask_bias[g0 * 16 + k];
+    cluster.sync();                 // every CTA of the cluster runs before remote writes
+    const bf16 zero = __float2bfloat16(0.f);
+    for (int b = 0; b < p.nb; ++b) {
+        const int it0 = b * ipb;
+        long long *trace = p.trace ? p.trace + ((size_t)blockIdx.x * p.nb + b) * TRACE_POINTS
+                                   : nullptr;
+        STAMP(0);
+        const unsigned char *ops = smem + OFF_OPS + (b & 1) * OP_BYTES;
+        unsigned char *next_ops = smem + OFF_OPS + ((b + 1) & 1) * OP_BYTES;
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");     // block b's operands
+        __syncthreads();
+        const bf16 *opb = reinterpret_cast<const bf16 *>(ops);
+        const float *opf = reinterpret_cast<const float *>(ops);
+        // ---- self-attention
+        ln_broadcast(cluster, xs, opb + OP_SC1 / 2, xa, stats, mrs, r, p.eps);
+        STAMP(1);
+        for (int i = 0; i < ntv; ++i) ring.wait(it0 + i);
+        STAMP(2);
+        gemm<6, D / 16, 2>(xa, LDX, ring, it0, ntv, red,
+            [&](int row, int col, float a0, float a1) {
+                const int jj = j0 + col / 8, part = jj / Q2_NT, w = (jj % Q2_NT) * 8 + col % 8;
+                const float *u = opf + OP_QU / 4, *v = opf + OP_QV / 4;
+                const bf16 *bias = opb + OP_QB / 2;
+                const float mean = mrs[row], rstd = mrs[MR + row];
+                const float y0 = rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col);
+                const float y1 = rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1);
+                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
+                                                 : __nv_bfloat162(zero, zero);
+#pragma unroll
+                for (int dst = 0; dst < R; ++dst)
+                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(qkv, dst)
+                                                        + row * LDQKV + part * HD + w) = y;
+            });
+        STAMP(3);
+        cluster_arrive();
+        issue_by(0, st, ring, issued, it0 + 5 + RING);
+        cluster_wait();
+        STAMP(4);
+        {   // softmax(q k^T / sqrt(hd)) v of head h (mma; probabilities rounded to bf16 as the
+            // reference does); every token sees every token
+            float *sc = red;                                         // MR x MR
+            bf16 *pr = reinterpret_cast<bf16 *>(red + MR * MR);      // MR x LDS
+            if (warp < 2) {
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int s = 0; s < HD / 16; ++s) {
+                    uint32_t a[4];
+                    load_a(a, qkv, LDQKV, s * 16, g, t);
+                    const bf16 *kr = qkv + (warp * 8 + g) * LDQKV + HD + s * 16 + 2 * t;
+                    mma16816(c, a, *reinterpret_cast<const uint32_t *>(kr),
+                             *reinterpret_cast<const uint32_t *>(kr + 8));
+                }
+                const int col = warp * 8 + 2 * t;
+                sc[g * MR + col] = c[0] * p.sm_scale;
+                sc[g * MR + col + 1] = c[1] * p.sm_scale;
+                sc[(g + 8) * MR + col] = c[2] * p.sm_scale;
+                sc[(g + 8) * MR + col + 1] = c[3] * p.sm_scale;
+            }
+            __syncthreads();
+            for (int i = warp; i < MR; i += WARPS) {
+                const float s = lane < T ? sc[i * MR + lane] : -INFINITY;
+                float m = s;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                const float e = lane < T ? __expf(s - m) : 0.f;
+                float l = e;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+                if (lane < MR) pr[i * LDS + lane] = __float2bfloat16(e / l);
+            }
+            __syncthreads();
+            for (int j = warp; j < HD / 8; j += WARPS) {
+                uint32_t a[4];
+                load_a(a, pr, LDS, 0, g, t);
+                const bf16 *vc = qkv + 2 * HD + j * 8 + g;
+                __nv_bfloat162 b0, b1;
+                b0.x = vc[(2 * t) * LDQKV];
+                b0.y = vc[(2 * t + 1) * LDQKV];
+                b1.x = vc[(2 * t + 8) * LDQKV];
+                b1.y = vc[(2 * t + 9) * LDQKV];
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+                mma16816(c, a, *reinterpret_cast<uint32_t *>(&b0), *reinterpret_cast<uint32_t *>(&b1));
+                const int col = j * 8 + 2 * t;
+                *reinterpret_cast<__nv_bfloat162 *>(oh + g * LDH + col) =
+                    g < T ? __floats2bfloat162_rn(c[0], c[1]) : __nv_bfloat162(zero, zero);
+                *reinterpret_cast<__nv_bfloat162 *>(oh + (g + 8) * LDH + col) =
+                    g + 8 < T ? __floats2bfloat162_rn(c[2], c[3]) : __nv_bfloat162(zero, zero);
+            }
+            __syncthreads();
+        }
+        STAMP(5);
+        float *part0 = p.part + (size_t)h * MR * D + r * CW;
+        ring.wait(it0 + 5);
+        ring.wait(it0 + 6);
+        gemm<12, HD / 16, 4>(oh, LDH, ring, it0 + 5, 12, red,
+            [&](int row, int col, float a0, float a1) {
+                if (row < T)
+                    *reinterpret_cast<float2 *>(part0 + (size_t)row * D + col) = make_float2(a0, a1);
+            });
+        STAMP(6);
+        arrive_and_wait(ctr, H * (3 * b + 1), exchange, [&] {
+            issue_by(1, st, ring, issued, it0 + 7 + RING);
+            load_ops(p, b + 1, h, r, j0, ntv, q0, ntv2, next_ops);   // block b + 1's operands
+        });
+        STAMP(7);
+        residual_update(p, 0, r, opb + OP_BO1 / 2, opb + OP_G1 / 2, xs);
+        STAMP(8);
+        // ---- cross-attention
+        ln_broadcast(cluster, xs, opb + OP_SC2 / 2, xa, stats, mrs, r, p.eps);
+        STAMP(9);
+        for (int i = 0; i < ntv2; ++i) ring.wait(it0 + 7 + i);
+        gemm<2, D / 16, 1>(xa, LDX, ring, it0 + 7, ntv2, red,
+            [&](int row, int col, float a0, float a1) {
+                const int w = (q0 + col / 8) * 8 + col % 8;
+                const float *u = opf + OP_CU / 4, *v = opf + OP_CV / 4;
+                const bf16 *bias = opb + OP_CB / 2;
+                const float mean = mrs[row], rstd = mrs[MR + row];
+                const float y0 = (rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col)) * p.sm_scale;
+                const float y1 = (rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1))
+                                 * p.sm_scale;
+                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
+                                                 : __nv_bfloat162(zero, zero);
+#pragma unroll
+                for (int dst = 0; dst < R; ++dst)
+                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(q2, dst)
+                                                        + row * LDH + w) = y;
+            });
+        cluster_arrive();
+        issue_by(0, st, ring, issued, it0 + 9 + RING);
+        cluster_wait();
+        STAMP(10);
+        {   // this CTA's keys [g0 16, (g0 + gr) 16): scores, row max / sum, P V (unnormalized)
+            const int itk = it0 + 9, itv = it0 + 9 + nkv;
+            for (int i = 0; i < nkv; ++i) ring.wait(itk + i);
+            STAMP(11);
+            uint32_t qa[HD / 16][4];
+#pragma unroll
+            for (int s = 0; s < HD / 16; ++s) load_a(qa[s], q2, LDH, s * 16, g, t);
+            // scores of n-tiles j = warp + 8 q (8 keys each) in registers, then the row max
+            // and sum over the CTA's keys through two small exchanges between the warps
+            float c[KEYMAX / 64][4];
+#pragma unroll
+            for (int q = 0; q < KEYMAX / 64; ++q) {
+                const int j = warp + WARPS * q;
+                c[q][0] = c[q][1] = c[q][2] = c[q][3] = -INFINITY;
+                if (j < 2 * gr) {
+                    const unsigned char *kb = ring.ptr(itk + j / 8) + (j % 8) * (HD / 16) * 256
+                                              + lane * 8;
+                    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int s = 0; s < HD / 16; ++s) {
+                        const uint2 bb = *reinterpret_cast<const uint2 *>(kb + s * 256);
+                        mma16816(acc, qa[s], bb.x, bb.y);
+                    }
+                    const int key = j * 8 + 2 * t;
+                    const float bk0 = bf(mbias, key), bk1 = bf(mbias, key + 1);
+                    c[q][0] = acc[0] + bk0;
+                    c[q][1] = acc[1] + bk1;
+                    c[q][2] = acc[2] + bk0;
+                    c[q][3] = acc[3] + bk1;
+                }
+            }
+            float m0 = -INFINITY, m1 = -INFINITY;       // rows g and g + 8
+#pragma unroll
+            for (int q = 0; q < KEYMAX / 64; ++q) {
+                m0 = fmaxf(m0, fmaxf(c[q][0], c[q][1]));
+                m1 = fmaxf(m1, fmaxf(c[q][2], c[q][3]));
+            }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+                m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+            }
+            float *wmax = red, *wsum = red + WARPS * MR;        // WARPS x MR each
+            if (t == 0) {
+                wmax[warp * MR + g] = m0;
+                wmax[warp * MR + g + 8] = m1;
+            }
+            __syncthreads();
+            m0 = wmax[g];
+            m1 = wmax[g + 8];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) {
+                m0 = fmaxf(m0, wmax[w * MR + g]);
+                m1 = fmaxf(m1, wmax[w * MR + g + 8]);
+            }
+            float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+            for (int q = 0; q < KEYMAX / 64; ++q) {
+                const int j = warp + WARPS * q;
+                if (j < 2 * gr) {
+                    const float e0 = __expf(c[q][0] - m0), e1 = __expf(c[q][1] - m0);
+                    const float e2 = __expf(c[q][2] - m1), e3 = __expf(c[q][3] - m1);
+                    l0 += e0 + e1;
+                    l1 += e2 + e3;
+                    const int key = j * 8 + 2 * t;
+                    *reinterpret_cast<__nv_bfloat162 *>(probs + g * LDP + key) =
+                        __floats2bfloat162_rn(e0, e1);
+                    *reinterpret_cast<__nv_bfloat162 *>(probs + (g + 8) * LDP + key) =
+                        __floats2bfloat162_rn(e2, e3);
+                }
+            }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+                l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+            }
+            if (t == 0) {
+                wsum[warp * MR + g] = l0;
+                wsum[warp * MR + g + 8] = l1;
+            }
+            __syncthreads();
+            if (tid < MR) {             // this CTA's row max and sum to every CTA's inbox
+                float l = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) l += wsum[w * MR + tid];
+                float mx = wmax[tid];
+#pragma unroll
+                for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, wmax[w * MR + tid]);
+#pragma unroll
+                for (int dst = 0; dst < R; ++dst)
+                    cluster.map_shared_rank(inml, dst)[r * MR + tid] = make_float2(mx, l);
+            }
+            STAMP(12);
+            for (int i = 0; i < nkv; ++i) ring.wait(itv + i);
+            STAMP(13);
+            for (int j = warp; j < HD / 8; j += WARPS) {    // P V, each column to its owner
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int s = 0; s < gr; ++s) {
+                    uint32_t a[4];
+                    load_a(a, probs, LDP, s * 16, g, t);
+                    const uint2 bb = *reinterpret_cast<const uint2 *>(
+                        ring.ptr(itv + s / 4) + (s % 4) * (HD / 8) * 256 + j * 256 + lane * 8);
+                    mma16816(acc, a, bb.x, bb.y);
+                }
+                const int col = j * 8 + 2 * t, owner = col / OD, oc = col % OD;
+                float *dst = cluster.map_shared_rank(inbox, owner) + (r * MR + g) * OD + oc;
+                *reinterpret_cast<float2 *>(dst) = make_float2(acc[0], acc[1]);
+                *reinterpret_cast<float2 *>(dst + 8 * OD) = make_float2(acc[2], acc[3]);
+            }
+            __syncthreads();
+            STAMP(14);
+        }
+        cluster_arrive();           // (its release orders the pushes above)
+        issue_by(0, st, ring, issued, it0 + 9 + 2 * nkv + RING);   // K and V read (sync above)
+        cluster_wait();
+        STAMP(15);
+        // combine the 8 partials of my OD dims (fixed order), to every CTA's o_h
+        if (tid < MR * OD / 2) {
+            const int row = tid / (OD / 2), d = 2 * (tid % (OD / 2));
+            float mx = inml[row].x;
+#pragma unroll
+            for (int j = 1; j < R; ++j) mx = fmaxf(mx, inml[j * MR + row].x);
+            float den = 0.f, o0 = 0.f, o1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < R; ++j) {
+                const float2 ml = inml[j * MR + row];
+                const float w = __expf(ml.x - mx);
+                den += w * ml.y;
+                const float2 o = *reinterpret_cast<const float2 *>(inbox + (j * MR + row) * OD + d);
+                o0 += w * o.x;
+                o1 += w * o.y;
+            }
+            const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(o0 / den, o1 / den)
+                                             : __nv_bfloat162(zero, zero);
+#pragma unroll
+            for (int dst = 0; dst < R; ++dst)
+                *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(oh, dst) + row * LDH
+                                                    + r * OD + d) = y;
+        }
+        cluster.sync();
+        STAMP(16);
+        const int itw = it0 + 9 + 2 * nkv;                      // wo2, w1, w2 from here
+        float *part1 = p.part + (size_t)(H + h) * MR * D + r * CW;
+        ring.wait(itw);
+        ring.wait(itw + 1);
+        gemm<12, HD / 16, 4>(oh, LDH, ring, itw, 12, red,
+            [&](int row, int col, float a0, float a1) {
+                if (row < T)
+                    *reinterpret_cast<float2 *>(part1 + (size_t)row * D + col) = make_float2(a0, a1);
+            });
+        STAMP(17);
+        arrive_and_wait(ctr, H * (3 * b + 2), exchange, [&] {
+            issue_by(1, st, ring, issued, itw + 2 + RING);
+        });
+        STAMP(18);
+        residual_update(p, 1, r, opb + OP_BO2 / 2, opb + OP_G2 / 2, xs);
+        // ---- MLP
+        ln_broadcast(cluster, xs, opb + OP_SC3 / 2, xa, stats, mrs, r, p.eps);
+        STAMP(19);
+        for (int i = 0; i < 6; ++i) ring.wait(itw + 2 + i);
+        STAMP(20);
+        gemm<6, D / 16, 2>(xa, LDX, ring, itw + 2, 6, red,
+            [&](int row, int col, float a0, float a1) {
+                const float *u = opf + OP_FU / 4, *v = opf + OP_FV / 4;
+                const bf16 *bias = opb + OP_FB / 2;
+                const float mean = mrs[row], rstd = mrs[MR + row];
+                const float y0 = gelu(rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col));
+                const float y1 = gelu(rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1));
+                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
+                                                 : __nv_bfloat162(zero, zero);
+#pragma unroll
+                for (int dst = 0; dst < R; ++dst)
+                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(ah, dst) + row * LDA
+                                                        + r * FW + col) = y;
+            });
+        cluster_arrive();
+        issue_by(0, st, ring, issued, itw + 8 + RING);
+        cluster_wait();
+        STAMP(21);
+        float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
+        for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
+        gemm<12, FH / 16, 4>(ah, LDA, ring, itw + 8, 12, red,
+            [&](int row, int col, float a0, float a1) {
+                if (row < T)
+                    *reinterpret_cast<float2 *>(part2 + (size_t)row * D + col) = make_float2(a0, a1);
+            });
+        STAMP(22);
+        arrive_and_wait(ctr, H * (3 * b + 3), exchange, [&] {
+            issue_by(1, st, ring, issued, itw + 14 + RING);
+        });
+        residual_update(p, 2, r, opb + OP_B2 / 2, opb + OP_G3 / 2, xs);
+        STAMP(23);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    if (h == 0) {
+        for (int e = tid; e < T * CW; e += THREADS) {
+            const int row = e / CW, c = e % CW;
+            p.out[row * D + r * CW + c] = __float2bfloat16(xs[row * CW + c]);
+        }
+    }
+    cluster.sync();                 // no CTA exits while another may read its shared memory
+}
+
+}  // namespace cdit
+
+// ------------------------------------------------------------------------------ host side
+#ifndef CLUSTER_DIT_DEVICE_ONLY      // (defined for a compile check without torch)
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+static cudaLaunchConfig_t launch_config(cudaStream_t stream, cudaLaunchAttribute *attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(cdit::H * cdit::R, 1, 1);
+    cfg.blockDim = dim3(cdit::THREADS, 1, 1);
+    cfg.dynamicSmemBytes = cdit::SMEM_BYTES;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cdit::R;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
+static void set_attributes() {
+    static bool done = false;
+    if (!done) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(cdit::dit_step_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            cdit::SMEM_BYTES));
+        done = true;
+    }
+}
+
+// clusters of this kernel resident at once on the current device (H are needed)
+int64_t max_active_clusters() {
+    set_attributes();
+    cudaLaunchAttribute attr[1];
+    cudaLaunchConfig_t cfg = launch_config(0, attr);
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, cdit::dit_step_kernel, &cfg));
+    return n;
+}
+
+std::vector<int64_t> constants() {
+    return {cdit::D, cdit::H, cdit::HD, cdit::F, cdit::R, cdit::MR, cdit::SLOT_E, cdit::WSLOTS,
+            cdit::GROUPS_PER_SLOT, cdit::MAX_KV_SLOTS, cdit::SMEM_BYTES};
+}
+
+void step(torch::Tensor x_in, torch::Tensor out, torch::Tensor mod, torch::Tensor tables,
+          torch::Tensor wp, torch::Tensor bq1, torch::Tensor bkv1, torch::Tensor bo1,
+          torch::Tensor bq2, torch::Tensor bo2, torch::Tensor b1, torch::Tensor b2,
+          torch::Tensor kp, torch::Tensor vp, torch::Tensor mask_bias, torch::Tensor part,
+          torch::Tensor counters, c10::optional<torch::Tensor> trace, int64_t T, int64_t S,
+          int64_t nb, int64_t nkv, int64_t prefetch, int64_t mode, double eps, double sm_scale) {
+    for (const auto &x : {x_in, out, mod, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias})
+        TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
+                    "cluster_dit.step: bf16 contiguous CUDA tensors expected");
+    TORCH_CHECK(tables.scalar_type() == torch::kFloat32 && part.scalar_type() == torch::kFloat32
+                && counters.scalar_type() == torch::kInt32, "cluster_dit.step: dtypes");
+    TORCH_CHECK(T >= 1 && T <= cdit::MR && S % 16 == 0 && nkv >= 1 && nkv <= cdit::MAX_KV_SLOTS,
+                "cluster_dit.step: T, S or nkv out of range");
+    set_attributes();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    C10_CUDA_CHECK(cudaMemsetAsync(counters.data_ptr(), 0, counters.numel() * 4, stream));
+    auto bp = [](const torch::Tensor &x) { return reinterpret_cast<const bf16 *>(x.data_ptr()); };
+    cdit::Params p;
+    p.x_in = bp(x_in);
+    p.out = reinterpret_cast<bf16 *>(out.data_ptr());
+    p.mod = bp(mod);
+    p.tables = tables.data_ptr<float>();
+    p.wp = bp(wp);
+    p.bq1 = bp(bq1); p.bkv1 = bp(bkv1); p.bo1 = bp(bo1); p.bq2 = bp(bq2); p.bo2 = bp(bo2);
+    p.b1 = bp(b1); p.b2 = bp(b2);
+    p.kp = bp(kp); p.vp = bp(vp); p.mask_bias = bp(mask_bias);
+    p.part = part.data_ptr<float>();
+    p.counters = reinterpret_cast<unsigned *>(counters.data_ptr());
+    p.trace = trace.has_value() ? reinterpret_cast<long long *>(trace->data_ptr()) : nullptr;
+    p.T = (int)T; p.S = (int)S; p.nb = (int)nb; p.nkv = (int)nkv; p.prefetch = (int)prefetch;
+    p.mode = (int)mode;
+    p.eps = (float)eps; p.sm_scale = (float)sm_scale;
+    cudaLaunchAttribute attr[1];
+    cudaLaunchConfig_t cfg = launch_config(stream, attr);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cdit::dit_step_kernel, p));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("step", &step, "one flow step of the DiT blocks (cluster kernel)");
+    m.def("max_active_clusters", &max_active_clusters, "resident clusters of the kernel");
+    m.def("constants", &constants, "the kernel's compiled sizes");
+}
+#endif  // CLUSTER_DIT_DEVICE_ONLY

@@ -1,0 +1,254 @@
+"""One flow step of the action expert's DiT blocks as one kernel of thread-block clusters
+(CUDA C++, Hopper; the source is `cluster_dit.cu` beside this file).
+
+Why: the Triton kernel (`runtime.fused_dit`) splits every block into 9 phases over the whole
+grid, and each phase boundary is a grid barrier plus a chain of round trips through L2
+(~3.9 us); 9 of them per block-step bound the loop far above its weight traffic
+(docs/decisions/fused-dit-kernel.md). Here a block-step has 3 exchanges through global memory
+and the rest inside clusters, through distributed shared memory (a cluster barrier costs
+~0.25 us against the grid's ~1.1 us plus its round trips; `benchmarks/probe_phase_latency.py`):
+
+- one cluster of 8 CTAs per attention head (8 x 8 = 64 CTAs, one per SM). Every cluster keeps
+  its own copy of the float32 residual stream, split by columns over its CTAs; all clusters
+  compute the same bits (same inputs, same order of every sum).
+- the small parts are recomputed, not exchanged: every cluster forms its LayerNorm inputs
+  from its copy of x (row statistics shared inside the cluster), every CTA of a cluster runs
+  its head's 16-token self-attention; the cross-attention runs over the head's keys split in
+  eighths, its flash-decoding partials combined inside the cluster.
+- the three sums over heads (self-attention proj, cross-attention proj, fc2 over each
+  cluster's 384 hidden units) go through global memory: CTA (h, r) writes its head's partial
+  of output columns [96 r, 96 (r + 1)), and waits on one counter per r for the 8 CTAs
+  (*, r), not for the whole grid; then sums the partials in head order.
+- weights (repacked once at load time into each CTA's stream, in mma fragment order) and the
+  cached cross-attention K/V (repacked once per query, `pack_context`) stream into a ring of
+  11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
+  their use: weights never depend on activations. Each block's small epilogue operands
+  (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
+
+The math is the Triton kernel's (`runtime.fused_dit` module docstring): float32 residual,
+LayerNorms applied in the GEMM epilogues through the per-flow-time tables u = W (1 + scale),
+v = W shift (`FusedDiTStep.tables`), bf16 GEMM operands with float32 accumulation, exact erf
+GELU. No float atomics: a replay gives the same bits.
+
+Served where the engine asks for it (`fused_action_expert: cluster`; why it is not the
+default: docs/decisions/cluster-dit-kernel.md). Limits (`unavailable_reason` names the one
+that fails, and configure fails with it): the model's sizes compiled into the kernel (hidden
+768, 8 heads, MLP 3072), at most 16 action tokens (`states_mode: cross_attn` at horizon 16),
+bf16, an sm_90 GPU with room for 8 resident clusters of 8 (the grid waits on itself: all 64
+CTAs must be resident), nvcc to build the extension (torch's cpp_extension, on first use,
+~1 min, cached in TORCH_EXTENSIONS_DIR). A context outside 128..2048 keys in multiples of 16
+runs through the Triton kernel at call time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+D, H, HD, F, R = 768, 8, 96, 3072, 8       # the sizes compiled into cluster_dit.cu
+CW, FH = D // R, F // H                     # residual columns per CTA, hidden units per head
+MAX_TOKENS = 16
+SLOT_E = 6144                               # bf16 elements of one 12 KB ring slot
+WSLOTS = 23                                 # weight slots per (block, head, rank)
+GROUPS_PER_SLOT = 4                         # 16-key groups of K (or V) per slot
+MAX_KV_SLOTS = 4
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cluster_dit.cu')
+_ext = None
+_ext_error = ''
+
+
+def pack_b(w: torch.Tensor) -> torch.Tensor:
+    """(..., N, K) -> (..., N / 8, K / 16, 32, 4): the B operand of mma.m16n8k16 (row.col) in
+    fragment order, so that lane l of a warp reads its two registers as 8 contiguous bytes.
+    Lane l = 4 g + t holds W[8 n + g, 16 s + 2 t + e] (e = 0, 1: register b0) and
+    W[8 n + g, 16 s + 8 + 2 t + e] (b1) of n-tile n and k-step s (PTX ISA, "Matrix fragments
+    for mma.m16n8k16"). N a multiple of 8, K of 16."""
+    *lead, n, k = w.shape
+    x = w.reshape(*lead, n // 8, 8, k // 16, 2, 4, 2)        # [nt, g, ks, half, t, e]
+    nd = len(lead)
+    x = x.permute(*range(nd), nd, nd + 2, nd + 1, nd + 4, nd + 3, nd + 5)
+    return x.reshape(*lead, n // 8, k // 16, 32, 4)
+
+
+def _split(n: int, r: int) -> tuple[int, int]:
+    """CTA r's share [start, start + count) of n items over R ranks (as the kernel splits)."""
+    start = r * n // R
+    return start, (r + 1) * n // R - start
+
+
+def pack_weights(w) -> torch.Tensor:
+    """`fused_dit.StackedBlockWeights` -> (n_blocks, H, R, WSLOTS * SLOT_E) bf16: each CTA's
+    weight stream of one block, in the order the kernel consumes it (slots of SLOT_E):
+    q|k|v (5 slots: its 4 or 5 of the head's 36 n-tiles), self proj (2; 1.5 used), cross q
+    (2: 1 or 2 of the head's 12 n-tiles), cross proj (2), fc1 (6), fc2 (6)."""
+    nb = w.wq1.shape[0]
+    out = torch.zeros(nb, H, R, WSLOTS, SLOT_E, dtype=w.wq1.dtype, device=w.wq1.device)
+    qkv = pack_b(torch.cat([w.wq1.view(nb, H, HD, D), w.wkv1[:, :D].reshape(nb, H, HD, D),
+                            w.wkv1[:, D:].reshape(nb, H, HD, D)], dim=2))
+    qkv = qkv.reshape(nb, H, 3 * HD // 8, SLOT_E)             # one n-tile per slot
+    q2 = pack_b(w.wq2.view(nb, H, HD, D)).reshape(nb, H, HD // 8, SLOT_E)
+    for r in range(R):
+        j0, nt = _split(3 * HD // 8, r)
+        out[:, :, r, 0:nt] = qkv[:, :, j0:j0 + nt]
+        q0, nq = _split(HD // 8, r)
+        out[:, :, r, 7:7 + nq] = q2[:, :, q0:q0 + nq]
+    flat = out.view(nb, H, R, WSLOTS * SLOT_E)
+
+    def proj(wo):            # (nb, D out, D in): rows r*96 + n, columns h*96 + k
+        return pack_b(wo.view(nb, R, CW, H, HD).permute(0, 3, 1, 2, 4)).reshape(nb, H, R, -1)
+
+    o1, o2 = proj(w.wo1), proj(w.wo2)                          # 9216 elements each
+    flat[..., 5 * SLOT_E:5 * SLOT_E + o1.shape[-1]] = o1
+    flat[..., 9 * SLOT_E:9 * SLOT_E + o2.shape[-1]] = o2
+    flat[..., 11 * SLOT_E:17 * SLOT_E] = pack_b(w.w1.view(nb, H, R, FH // R, D)).reshape(
+        nb, H, R, -1)
+    flat[..., 17 * SLOT_E:23 * SLOT_E] = pack_b(
+        w.w2.view(nb, R, CW, H, FH).permute(0, 3, 1, 2, 4)).reshape(nb, H, R, -1)
+    return flat
+
+
+def pack_context(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached cross-attention K/V (n_blocks, 1, H, S, HD) (any strides) -> (n_blocks, H,
+    S * HD) each, in the kernel's fragment order: keys as the B operand of q K^T (n-tiles of 8
+    keys, k-steps over the head dim), values as the B operand of P V, k-step (16 keys) major so
+    that each CTA's eighth of the keys is one contiguous range."""
+    nb, _, h, s, hd = keys.shape
+    kp = pack_b(keys[:, 0]).reshape(nb, h, s * hd)
+    vp = pack_b(values[:, 0].transpose(-1, -2))                # (nb, h, hd/8, s/16, 32, 4)
+    vp = vp.permute(0, 1, 3, 2, 4, 5).reshape(nb, h, s * hd)
+    return kp, vp
+
+
+def load_extension():
+    """The compiled kernel (built on first use), or None with the reason in `_ext_error`."""
+    global _ext, _ext_error
+    if _ext is not None or _ext_error:
+        return _ext
+    try:
+        from torch.utils.cpp_extension import load
+        _ext = load('molmobot_cluster_dit', sources=[_SOURCE],
+                    extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=sm_90a',
+                                       '-std=c++17'],
+                    verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: serve the fallback
+        _ext_error = f'the CUDA extension did not build: {type(exc).__name__}: {str(exc)[-300:]}'
+        log.warning('cluster DiT kernel: %s', _ext_error)
+    return _ext
+
+
+def unavailable_reason(ae, device: torch.device, dtype: torch.dtype, context: int | None = None
+                       ) -> str:
+    """'' when the cluster kernel can serve this action expert, else why not (for a log line).
+    context: the cross-attention key count S, when known (other counts run through the Triton
+    kernel at call time)."""
+    if device.type != 'cuda':
+        return f'needs a CUDA device, serving on {device}'
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f'needs an sm_90 (Hopper) GPU, got compute capability {major}.x'
+    if dtype != torch.bfloat16:
+        return f'needs bfloat16 weights, got {dtype}'
+    cfg = ae.cfg
+    if (cfg.hidden_size, cfg.num_heads, cfg.mlp_hidden) != (D, H, F):
+        return (f'compiled for hidden {D}, {H} heads, MLP {F}; the model has '
+                f'{cfg.hidden_size}, {cfg.num_heads}, {cfg.mlp_hidden}')
+    tokens = ae.horizon + (1 if ae.states_mode == 'self_attn' else 0)
+    if tokens > MAX_TOKENS:
+        return f'{tokens} action tokens; the kernel handles at most {MAX_TOKENS}'
+    if context is not None and not (128 <= context <= 2048 and context % 16 == 0):
+        return f'context of {context} keys; the kernel handles 128 to 2048 in multiples of 16'
+    from molmobot_policy.runtime import fused_dit
+    triton = fused_dit.unavailable_reason(ae, device, dtype)
+    if triton:                              # its fallback for other shapes
+        return f'the Triton kernel (its fallback) cannot serve: {triton}'
+    ext = load_extension()
+    if ext is None:
+        return _ext_error
+    resident = int(ext.max_active_clusters())
+    if resident < H:
+        return f'{resident} clusters of {R} fit on this GPU at once, {H} are needed'
+    return ''
+
+
+class ClusterDiTStep:
+    """Runs every DiT block of one flow step as one launch of the cluster kernel (after a
+    memset of its 8 counters).
+
+    Args:
+        ae: the `ActionExpert`; its blocks' weights are stacked in place
+            (`fused_dit.StackedBlockWeights`) and repacked into a second copy (~0.65 GB for
+            the 36 x 768 expert) in the kernel's stream order.
+        prefetch: also prefetch into L2 the stream item this many slots ahead of each one
+            issued (0: off).
+        mode: benchmarks only (wrong outputs): bit 0 streams nothing, bit 1 skips the waits
+            of the exchanges through global memory.
+
+    Call: `(x, mod, ctx, tables=None) -> x` as `fused_dit.FusedDiTStep` (x (1, T <= 16, 768)
+    bf16, mod (n_blocks, 9, 1, 768), ctx an `ActionExpertContext`, tables from `tables(mod)`);
+    the K/V are repacked on the first call with a new ctx (`pack_context`; the flow steps of
+    one query share it). More than 16 tokens, or a context outside 128..2048 keys in
+    multiples of 16, run through the Triton kernel (`fused_dit.FusedDiTStep`, same tables).
+    Raises ValueError on other shapes, RuntimeError where the extension is unavailable.
+    """
+
+    def __init__(self, ae, prefetch: int = 0, mode: int = 0) -> None:
+        from molmobot_policy.runtime import fused_dit
+        self.base = fused_dit.FusedDiTStep(ae)          # stacked weights and the tables
+        self.n_blocks = self.base.n_blocks
+        self.prefetch, self.mode = int(prefetch), int(mode)
+        self.trace = None       # set to an int64 (64, n_blocks, 24) tensor: clock64 stamps
+        self.ext = load_extension()
+        if self.ext is None:
+            raise RuntimeError(f'cluster DiT kernel unavailable: {_ext_error}')
+        with torch.no_grad():
+            self.wp = pack_weights(self.base.w)
+        self._ctx = None
+        self._packed = None
+
+    def tables(self, mod: torch.Tensor) -> torch.Tensor:
+        return self.base.tables(mod)
+
+    def packed_context(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx is not self._ctx:
+            self._packed = pack_context(ctx.keys, ctx.values)
+            self._ctx = ctx
+        return self._packed
+
+    def __call__(self, x: torch.Tensor, mod: torch.Tensor, ctx,
+                 tables: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        nb = self.n_blocks
+        keys = ctx.keys
+        s = keys.shape[-2]
+        if tables is None:
+            tables = self.tables(mod)
+        if t > MAX_TOKENS or not (128 <= s <= 2048 and s % 16 == 0):
+            return self.base(x, mod, ctx, tables)      # the Triton kernel serves these shapes
+        if b != 1 or d != D or x.dtype != torch.bfloat16:
+            raise ValueError(f'x must be (1, T, {D}) bfloat16, got {tuple(x.shape)} {x.dtype}')
+        if keys.shape != (nb, 1, H, s, HD) or mod.shape != (nb, 9, 1, D) \
+                or ctx.values.shape != keys.shape:
+            raise ValueError(f'keys / values must be ({nb}, 1, {H}, S, {HD}) and mod '
+                             f'({nb}, 9, 1, {D}); got {tuple(keys.shape)}, '
+                             f'{tuple(ctx.values.shape)} and {tuple(mod.shape)}')
+        kp, vp = self.packed_context(ctx)
+        groups = math.ceil(s // 16 / R)
+        nkv = math.ceil(groups / GROUPS_PER_SLOT)
+        dev = x.device
+        out = torch.empty((1, t, D), device=dev, dtype=x.dtype)
+        part = torch.empty((3, H, 16, D), device=dev, dtype=torch.float32)
+        counters = torch.empty(R * 32, device=dev, dtype=torch.int32)
+        w = self.base.w
+        mask = ctx.mask_bias.reshape(-1)
+        if mask.numel() != s:
+            raise ValueError(f'ctx.mask_bias must hold one value per key ({s}), got '
+                             f'{tuple(ctx.mask_bias.shape)}')
+        self.ext.step(x.contiguous(), out, mod.contiguous(), tables, self.wp, w.bq1, w.bkv1,
+                      w.bo1, w.bq2, ctx.out_bias.contiguous(), w.b1, w.b2, kp, vp,
+                      mask.contiguous(), part, counters, self.trace, t, s, nb, nkv,
+                      self.prefetch, self.mode, self.base.eps, self.base.sm_scale)
+        return out
