@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     rows = [{'phase': name, 'cta0_us': float(per_phase[0, i]),
              'median_us': float(per_phase[:, i].median()), 'max_us': float(per_phase[:, i].max())}
             for i, name in enumerate(PHASES)]
-    print(f'\nblock-step (median over blocks and CTAs): {float(block):.2f} us at {args.mhz:.0f} MHz')
+    print(f'\nblock-step (median over blocks and CTAs): {float(block):.2f} us at '
+          f'{args.mhz:.0f} MHz')
     common.print_table(['phase', 'CTA 0 us', 'median us', 'max us'],
                        [[r['phase'], r['cta0_us'], r['median_us'], r['max_us']] for r in rows])
     if args.out:

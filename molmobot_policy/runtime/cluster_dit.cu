@@ -251,7 +251,10 @@ __device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, i
                 const int jj = j0 + i, part = jj / Q2_NT, w = (jj % Q2_NT) * 8;
                 const int n = part * D + h * HD + w;
                 if (kind < 2) { src = u + n + kind * 4; dst = OP_QU + i * 32 + kind * 16; }
-                else if (kind < 4) { src = v + n + (kind - 2) * 4; dst = OP_QV + i * 32 + (kind - 2) * 16; }
+                else if (kind < 4) {
+                    src = v + n + (kind - 2) * 4;
+                    dst = OP_QV + i * 32 + (kind - 2) * 16;
+                }
                 else {
                     src = part == 0 ? p.bq1 + (size_t)b * D + h * HD + w
                                     : p.bkv1 + (size_t)b * 2 * D + (part - 1) * D + h * HD + w;
@@ -263,7 +266,10 @@ __device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, i
             if (i < ntv2) {
                 const int w = (q0 + i) * 8, n = 3 * D + h * HD + w;
                 if (kind < 2) { src = u + n + kind * 4; dst = OP_CU + i * 32 + kind * 16; }
-                else if (kind < 4) { src = v + n + (kind - 2) * 4; dst = OP_CV + i * 32 + (kind - 2) * 16; }
+                else if (kind < 4) {
+                    src = v + n + (kind - 2) * 4;
+                    dst = OP_CV + i * 32 + (kind - 2) * 16;
+                }
                 else { src = p.bq2 + (size_t)b * D + h * HD + w; dst = OP_CB + i * 16; }
             }
         } else {                            // fc1: 48 hidden units
@@ -570,7 +576,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 b1.x = vc[(2 * t + 8) * LDQKV];
                 b1.y = vc[(2 * t + 9) * LDQKV];
                 float c[4] = {0.f, 0.f, 0.f, 0.f};
-                mma16816(c, a, *reinterpret_cast<uint32_t *>(&b0), *reinterpret_cast<uint32_t *>(&b1));
+                mma16816(c, a, *reinterpret_cast<uint32_t *>(&b0),
+                         *reinterpret_cast<uint32_t *>(&b1));
                 const int col = j * 8 + 2 * t;
                 *reinterpret_cast<__nv_bfloat162 *>(oh + g * LDH + col) =
                     g < T ? __floats2bfloat162_rn(c[0], c[1]) : __nv_bfloat162(zero, zero);
@@ -586,7 +593,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         gemm<12, HD / 16, 4>(oh, LDH, ring, it0 + 5, 12, red,
             [&](int row, int col, float a0, float a1) {
                 if (row < T)
-                    *reinterpret_cast<float2 *>(part0 + (size_t)row * D + col) = make_float2(a0, a1);
+                    *reinterpret_cast<float2 *>(part0 + (size_t)row * D + col) =
+                        make_float2(a0, a1);
             });
         STAMP(6);
         arrive_and_wait(ctr, H * (3 * b + 1), exchange, [&] {
@@ -606,7 +614,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const float *u = opf + OP_CU / 4, *v = opf + OP_CV / 4;
                 const bf16 *bias = opb + OP_CB / 2;
                 const float mean = mrs[row], rstd = mrs[MR + row];
-                const float y0 = (rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col)) * p.sm_scale;
+                const float y0 = (rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col))
+                                 * p.sm_scale;
                 const float y1 = (rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1))
                                  * p.sm_scale;
                 const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
@@ -768,7 +777,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         gemm<12, HD / 16, 4>(oh, LDH, ring, itw, 12, red,
             [&](int row, int col, float a0, float a1) {
                 if (row < T)
-                    *reinterpret_cast<float2 *>(part1 + (size_t)row * D + col) = make_float2(a0, a1);
+                    *reinterpret_cast<float2 *>(part1 + (size_t)row * D + col) =
+                        make_float2(a0, a1);
             });
         STAMP(17);
         arrive_and_wait(ctr, H * (3 * b + 2), exchange, [&] {
@@ -787,7 +797,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const bf16 *bias = opb + OP_FB / 2;
                 const float mean = mrs[row], rstd = mrs[MR + row];
                 const float y0 = gelu(rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col));
-                const float y1 = gelu(rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1));
+                const float y1 = gelu(rstd * (a1 - mean * u[col + 1]) + v[col + 1]
+                                      + bf(bias, col + 1));
                 const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
                                                  : __nv_bfloat162(zero, zero);
 #pragma unroll
@@ -804,7 +815,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         gemm<12, FH / 16, 4>(ah, LDA, ring, itw + 8, 12, red,
             [&](int row, int col, float a0, float a1) {
                 if (row < T)
-                    *reinterpret_cast<float2 *>(part2 + (size_t)row * D + col) = make_float2(a0, a1);
+                    *reinterpret_cast<float2 *>(part2 + (size_t)row * D + col) =
+                        make_float2(a0, a1);
             });
         STAMP(22);
         arrive_and_wait(ctr, H * (3 * b + 3), exchange, [&] {
