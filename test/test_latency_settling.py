@@ -48,6 +48,20 @@ def test_restart_settles_again_on_every_activation():
     assert latency.ignored == 3
 
 
+def test_measured_once_a_sample_past_settling_is_recorded_after_each_restart():
+    latency = LatencyEstimator(min_samples=1, settle=2)
+    assert not latency.measured
+    latency.restart()
+    latency.record(0.1)
+    latency.record(0.1, warm=False)
+    latency.record(0.1)
+    assert not latency.measured             # settling (and warm-up) samples only
+    latency.record(0.1)
+    assert latency.measured
+    latency.restart()
+    assert not latency.measured             # the samples before the restart do not count
+
+
 @pytest.mark.parametrize('kwargs, match', [
     (dict(settle=-1), 'settle must be an int >= 0'),
     (dict(outlier_factor=1.0), 'outlier_factor must be None or a finite number > 1'),

@@ -103,7 +103,8 @@ def test_an_instruction_the_engine_cannot_serve_is_refused_when_set(lifecycle, r
     refused = set_instruction(' '.join(['grasp the red cube'] * 2500))
     assert not refused.successful and 'too long' in refused.reason, (refused, node.log())
     assert set_instruction('pick up the blue brick').successful, node.log()
-    assert node.wait_for_log("instruction set to 'pick up the blue brick' (", 10.0), node.log()
+    assert node.wait_for_log("parameter 'instruction' set: 'pick up the brick' -> 'pick up the "
+                             "blue brick' (", 10.0), node.log()
     assert "refused new 'instruction': instruction too long" in node.log()
 
 

@@ -607,6 +607,22 @@ def test_slow_first_inferences_after_activation_do_not_hold_the_lead_at_its_cap(
     assert loop.latency.ignored == SETTLE_SAMPLES
 
 
+def test_chunks_scheduled_before_a_measured_latency_are_start_up_chunks_and_misses_count():
+    """The warm-up measured 50 ms, every tick's work takes 200 ms: the first SETTLE_SAMPLES + 1
+    chunks run on the warm-up's lead and are late (deadline misses, counted), the next ones on
+    the measured lead; only the first are start-up chunks; every chunk is in `jitter_ms`."""
+    from molmobot_policy.timing import latency_estimator
+    from molmobot_policy.timing.loop import SETTLE_SAMPLES
+    startup = SETTLE_SAMPLES + 1
+    loop, _, recorder = run(chunks=startup + 3, robot_changes={'predict': slowed('predict', 0.2)},
+                            latency=latency_estimator(PERIOD, inference_seconds=0.05))
+    jitter = [report.publish_jitter_ms for report in recorder.reports]
+    assert all(j > 100.0 for j in jitter[:startup]) and all(j < 1.0 for j in jitter[startup:])
+    assert loop.stats.startup_jitter_ms.values().tolist() == pytest.approx(jitter[:startup])
+    assert loop.stats.jitter_ms.total == len(jitter)
+    assert loop.stats.deadline_misses == startup
+
+
 def test_a_clock_jump_back_while_waiting_for_the_tick_restarts_at_once_and_reports_first():
     """The jump is seen while waiting for the tick's start (not after waiting out the old
     time base): `clock_jumped` comes before the restart's `started` and before the next

@@ -477,6 +477,25 @@ def test_an_integer_set_at_run_time_for_a_float_parameter_is_taken_as_that_float
         node.destroy_node()
 
 
+def test_every_accepted_run_time_change_is_logged_with_its_old_and_new_value(ros_context):
+    """`ros2 param set /molmobot_policy max_image_age 0.8` left no trace in the log (only
+    instruction changes did): each accepted change is one INFO line, old -> new; a refused
+    one (out of range) logs none."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_log_set')
+    try:
+        lines = []
+        node.get_logger().info = lambda msg, **kw: lines.append(msg)
+        result = node.set_parameters_atomically([Parameter('max_image_age', value=0.8),
+                                                 Parameter('diag_jitter_warn_ms', value=20.0)])
+        assert result.successful, result.reason
+        assert lines == ["parameter 'max_image_age' set: 0.5 -> 0.8",
+                         "parameter 'diag_jitter_warn_ms' set: 10.0 -> 20.0"]
+        assert not node.set_parameters([Parameter('max_image_age', value=-1.0)])[0].successful
+        assert len(lines) == 2 and node.get_parameter('max_image_age').value == 0.8
+    finally:
+        node.destroy_node()
+
+
 def test_an_unknown_name_set_at_run_time_is_refused_and_logged_with_the_closest_name(
         ros_context):
     """rclpy refuses a set of an undeclared name with "Invalid access to undeclared

@@ -22,8 +22,14 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   served (checkpoint and weights fingerprint, or RANDOM WEIGHTS), the engine's mode (and
   where the cameras are received) and the latency estimate behind the lead.
 - `ScheduleTask`: WARN / ERROR when the publish jitter p99 of the last LEVEL_CHUNKS chunks
-  exceeds diag_jitter_warn_ms / diag_jitter_error_ms, WARN with the last skip reason while
-  ticks are skipped; the loop's counters, sensor-to-publish age and garbage-collector pauses.
+  after the start-up chunks exceeds diag_jitter_warn_ms / diag_jitter_error_ms, WARN with the
+  last skip reason while ticks are skipped, WARN naming the start-up chunks when one was later
+  than diag_jitter_warn_ms, until LEVEL_CHUNKS chunks have followed them; the loop's counters
+  (deadline misses of every chunk), sensor-to-publish age and garbage-collector pauses.
+  Start-up chunks are an activation's first chunks, scheduled on a lead that used none of its
+  measured latencies (`timing.loop`; after configure, the warm-up's estimate): their
+  lateness says that estimate was off, not that the steady schedule is, so it has its own
+  values (`startup_*`) and never makes the status ERROR.
 - `OutputTask` ('output'): whether chunks reach the robot (`timing.OutputWatchdog`): OK while
   they flow, WARN after 1.5 chunk periods without one, ERROR after output_error_periods,
   naming the last skip reason or the clock (sim time without /clock); at least WARN, naming
@@ -243,18 +249,19 @@ class InferenceTask(DiagnosticTask):
 LEVEL_CHUNKS = 20   # the schedule's level: jitter p99 of the latest chunks (the values keep
                     # the whole window): late chunks after activation, on cold caches, must
                     # not hold it at ERROR for the 200-chunk window (minutes at a 1.5 s period).
-                    # The activation's first chunk is left out of it: it runs on the warm-up's
-                    # lead estimate, and on a busy CPU one late first chunk held the level at
-                    # ERROR for 20 chunks (30 s) while every later one was on time (third
-                    # fresh-user trial); its lateness stays in the values and the log
+                    # The start-up chunks are left out of it: they run on a lead that used
+                    # none of the activation's inference times, and late start-up chunks held
+                    # the level at ERROR for 20 chunks (30 s) while every later one was on
+                    # time (fresh-user trials); they are a WARN of their own instead
 
 
 class ScheduleTask(DiagnosticTask):
     """The schedule: `stats` a `timing.LoopStats`, `gc_pauses` a `timing.GcPauses`,
     `frames_decoded()` -> camera frames decoded so far. Level by the publish jitter p99 of
-    the last LEVEL_CHUNKS chunks, the activation's first chunk left out; WARN naming
-    `stats.last_skip` while ticks are skipped (the loop clears it when a chunk is
-    published)."""
+    the last LEVEL_CHUNKS chunks after the start-up chunks (`stats.startup_jitter_ms`); WARN
+    naming `stats.last_skip` while ticks are skipped (the loop clears it when a chunk is
+    published); WARN naming the start-up chunks when one was later than diag_jitter_warn_ms,
+    until LEVEL_CHUNKS chunks have followed them."""
 
     def __init__(self, stats, gc_pauses, frames_decoded: Callable[[], int],
                  parameter: Callable[[str], object]) -> None:
@@ -265,18 +272,27 @@ class ScheduleTask(DiagnosticTask):
     def run(self, stat):
         stats = self._stats
         jitter = stats.jitter_ms.summary()
-        rated = min(LEVEL_CHUNKS, stats.jitter_ms.count - 1)    # not the first chunk
+        startup = stats.startup_jitter_ms.summary()
+        steady = stats.jitter_ms.total - startup['total']       # chunks after start-up
+        rated = min(LEVEL_CHUNKS, steady)
         p99 = stats.jitter_ms.quantile(0.99, last=rated) if rated > 0 else math.nan
-        level = _level(p99, self._parameter('diag_jitter_warn_ms'),
-                       self._parameter('diag_jitter_error_ms'))
+        warn_ms = self._parameter('diag_jitter_warn_ms')
+        level = _level(p99, warn_ms, self._parameter('diag_jitter_error_ms'))
         if level != OK:
             stat.summary(level, f'publish jitter p99 {p99:.1f} ms over the last {rated} '
                                 'chunks')
         elif stats.last_skip:
             stat.summary(WARN, f'last skip: {stats.last_skip}')
+        elif startup['max'] > warn_ms and steady < LEVEL_CHUNKS:
+            stat.summary(WARN, f"start-up chunks late: up to {startup['max']:.1f} ms over "
+                               f"the first {startup['total']} (scheduled before the lead used "
+                               "any of this activation's inference times; not in the p99)")
         else:
             stat.summary(OK, 'ok')
         add_summary_ms(stat, 'publish_jitter', jitter)
+        stat.add('startup_chunks', startup['total'])
+        stat.add('startup_publish_jitter_max_ms',
+                 'nan' if math.isnan(startup['max']) else f"{startup['max']:.2f}")
         add_summary_ms(stat, 'sensor_to_publish_age', stats.age_ms.summary())
         for key in ('chunks_published', 'deadline_misses', 'dropped_actions', 'skipped_ticks',
                     'failed_ticks'):

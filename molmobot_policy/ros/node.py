@@ -131,6 +131,10 @@ class PolicyNode(LifecycleNode):
         return parameters
 
     def _validate_parameters(self, parameters) -> SetParametersResult:
+        """rclpy's on-set callback, after it checked each value's type, range and read-only
+        flag: refuses an instruction the engine cannot serve, else logs every change (old ->
+        new) at INFO, so that a log shows what the node ran with when."""
+        notes = {}
         for p in parameters:
             # a new instruction the configured engine cannot serve (too long for its buckets
             # with overlong 'error', or empty) is refused now, not at every later tick; the
@@ -141,7 +145,10 @@ class PolicyNode(LifecycleNode):
                 except ValueError as error:
                     self.get_logger().warning(f"refused new 'instruction': {error}")
                     return SetParametersResult(successful=False, reason=f'instruction: {error}')
-                self.get_logger().info(f'instruction set to {p.value!r} ({tokens} prompt tokens)')
+                notes[p.name] = f' ({tokens} prompt tokens)'
+        for p in parameters:    # accepted (the set is atomic: all of them or none)
+            self.get_logger().info(f"parameter '{p.name}' set: {self._param(p.name)!r} -> "
+                                   f"{p.value!r}{notes.get(p.name, '')}")
         return SetParametersResult(successful=True)
 
     # ------------------------------------------------------------------ lifecycle

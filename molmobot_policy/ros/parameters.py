@@ -210,11 +210,11 @@ PARAMETERS = {
         'ms; inference p99 above this is ERROR', _D, read_only=False,
         float_range=(0.0, 1e6))),
     'diag_jitter_warn_ms': (10.0, descriptor(
-        'ms; publish jitter p99 of the last 20 chunks above this is WARN', _D, read_only=False,
-        float_range=(0.0, 1e6))),
+        'ms; publish jitter p99 of the last 20 chunks after start-up above this is WARN', _D,
+        read_only=False, float_range=(0.0, 1e6))),
     'diag_jitter_error_ms': (50.0, descriptor(
-        'ms; publish jitter p99 of the last 20 chunks above this is ERROR', _D, read_only=False,
-        float_range=(0.0, 1e6))),
+        'ms; publish jitter p99 of the last 20 chunks after start-up above this is ERROR', _D,
+        read_only=False, float_range=(0.0, 1e6))),
 }
 
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',

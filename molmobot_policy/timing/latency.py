@@ -93,6 +93,7 @@ class LatencyEstimator:
         self._outliers: list[float] = []     # the current run of consecutive outliers
         self._ignored = 0
         self._to_settle = 0
+        self._measured = False      # a warm sample past settling since the last restart
         self._lock = threading.Lock()
 
     def restart(self) -> None:
@@ -100,6 +101,7 @@ class LatencyEstimator:
         with self._lock:
             self._to_settle = self.settle
             self._outliers.clear()
+            self._measured = False
 
     def record(self, seconds: float, warm: bool = True) -> None:
         """Record one measured inference latency.
@@ -121,6 +123,7 @@ class LatencyEstimator:
                 self._to_settle -= 1
                 self._ignored += 1
             elif self._is_outlier(seconds):
+                self._measured = True
                 self._outliers.append(seconds)
                 self._ignored += 1
                 if len(self._outliers) >= self.min_samples:     # a new regime
@@ -128,6 +131,7 @@ class LatencyEstimator:
                     self._samples.extend(self._outliers)
                     self._outliers.clear()
             else:
+                self._measured = True
                 self._outliers.clear()
                 self._samples.append(seconds)
 
@@ -147,6 +151,14 @@ class LatencyEstimator:
         """Number of samples ignored so far (warm-up, settling, outliers)."""
         with self._lock:
             return self._ignored
+
+    @property
+    def measured(self) -> bool:
+        """True once a warm sample past the settling ones (an outlier too) was recorded since
+        the last `restart()` (or construction): until then `lead()` has seen nothing of this
+        run's latency, only `initial` or what came before the restart."""
+        with self._lock:
+            return self._measured
 
     def estimate(self) -> float:
         """The configured quantile of the warm samples in the window, seconds (no margin).

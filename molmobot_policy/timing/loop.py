@@ -13,7 +13,10 @@ time and joins the chunk to the previous one (`ChunkStitcher`), anchors the poin
 measured joint state within the velocity and position limits (`MotionLimiter`,
 `measured`), lets `publish` build its messages, waits for the deadline and sends them:
 only the send runs after the wake-up. Action k of a chunk
-executes at `observation.stamp + k * control_period`.
+executes at `observation.stamp + k * control_period`. A chunk whose tick was scheduled before
+the lead had seen any of this run's own latencies (`LatencyEstimator.measured`: at most the
+first SETTLE_SAMPLES + 1) is a start-up chunk; its jitter also goes to
+`LoopStats.startup_jitter_ms`, so that the steady state can be rated without it.
 
 Waiting (`wait_until`): slices of at most POLL_S on the stop event, re-reading the clock
 after each (sim time follows /clock). On the system clock the last slice ends BUSY_WAIT_S
@@ -268,6 +271,7 @@ class PolicyLoop:
         self.stats = LoopStats()
         self.latency = latency or latency_estimator(chunk_period)
         self._gate = ObservationGate()
+        self._startup = True        # the current tick's lead is not from this run's latencies
         self.scheduler: Optional[DeadlineScheduler] = None     # once the clock runs
         self._last_now = -np.inf
         self._jumped: Optional[float] = None     # s the clock went back, until restarted
@@ -373,6 +377,7 @@ class PolicyLoop:
             if self._jumped is not None:
                 self._restart(now)
                 continue
+            self._startup = not self.latency.measured
             self.scheduler.set_lead(self.latency.lead())
             tick = self.scheduler.next_tick(now)
             waited = self.wait_until(tick.start_at)
@@ -508,6 +513,8 @@ class PolicyLoop:
         jitter_ms = (published - tick.deadline) * 1e3
         age_ms = (published - observation.stamp) * 1e3
         stats.jitter_ms.add(jitter_ms)
+        if self._startup:
+            stats.startup_jitter_ms.add(jitter_ms)
         stats.age_ms.add(age_ms)
         stats.chunks_published += 1
         stats.last_skip = ''           # skipping ended

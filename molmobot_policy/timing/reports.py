@@ -121,7 +121,11 @@ class LoopStats:
 
     Attributes:
         inference_ms, jitter_ms, age_ms: `RollingStats` of inference time, publish jitter and
-            sensor-to-publish age, ms.
+            sensor-to-publish age, ms (every chunk).
+        startup_jitter_ms: `RollingStats` of the publish jitter of the start-up chunks, ms:
+            those whose tick was scheduled before the lead had seen a latency measured in
+            this run (`LatencyEstimator.measured`; the warm-up's estimate on the first
+            activation). They come first, and also are in `jitter_ms`; `.total` counts them.
         chunks_published, dropped_actions, skipped_ticks, failed_ticks: counts.
         velocity_limited, position_clipped: (point, joint) values moved by the motion
             limits, summed over the published chunks.
@@ -134,6 +138,7 @@ class LoopStats:
     def __init__(self, window: int = STATS_WINDOW) -> None:
         self.inference_ms = RollingStats(window)
         self.jitter_ms = RollingStats(window)
+        self.startup_jitter_ms = RollingStats(window)
         self.age_ms = RollingStats(window)
         self.chunks_published = 0
         self.deadline_misses = 0
