@@ -181,12 +181,18 @@ class ParentWatch:
             raise
 
     def _fire(self, why: str) -> None:
-        """The stop first, then the log line: the log may be unwritable by then (the pty of a
-        `ros2 launch` that exited, emulate_tty: OSError EIO), and the stop must not wait on
-        it."""
+        """The stop first, then the log line: the console may be unwritable by then (the pty
+        of a `ros2 launch` that exited, emulate_tty: OSError EIO), and the stop must not wait
+        on it. The line goes through the ROS logger, so that it also lands in the node's log
+        file under ~/.ros/log (where an operator looks once the launch and its console are
+        gone); the plain console line only where that logger fails."""
         self.fired = True
         self._kill()
-        print_log(self._name, 'ERROR', f'{why}: stopping; stop_with_parent: false keeps running')
+        message = f'{why}: stopping; stop_with_parent: false keeps running'
+        try:
+            rclpy.logging.get_logger(self._name).error(message)
+        except Exception:  # noqa: BLE001 - the line is what is lost, never the stop
+            print_log(self._name, 'ERROR', message)
 
     def stop(self) -> None:
         self._stop.set()
@@ -307,7 +313,7 @@ def main(args=None) -> int:
         watch = None
         if node.get_parameter('stop_with_parent').value:
             if nohup:
-                node.get_logger().info(NOHUP_NOTE)
+                node.get_logger().warning(NOHUP_NOTE)     # outlives its parent: not OK
             else:
                 watch = ParentWatch(node.get_name()).start(parent)
         try:

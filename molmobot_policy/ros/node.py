@@ -126,7 +126,11 @@ class PolicyNode(LifecycleNode):
         a value of another wrong type, or an unknown name, logged with what was expected
         (rclpy refuses both)."""
         parameters = widen_integers(parameters)
-        for problem in type_mismatches(parameters) + undeclared(parameters, self.has_parameter):
+        read_only = [f"'{p.name}' is read-only (set it in the parameter file; it takes effect "
+                     'at the next start)' for p in parameters
+                     if self.has_parameter(p.name) and self.describe_parameter(p.name).read_only]
+        for problem in (type_mismatches(parameters) + undeclared(parameters, self.has_parameter)
+                        + read_only):
             self.get_logger().warning(f'refused run-time set: {problem}')
         return parameters
 
