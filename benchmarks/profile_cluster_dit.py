@@ -25,8 +25,7 @@ import statistics
 import torch
 
 import common
-from molmobot_policy.model import action_expert as ae_mod
-from molmobot_policy.model.config import MolmoBotConfig
+from benchmark_fused_dit import build
 from molmobot_policy.runtime import cluster_dit
 
 PHASES = ['LN1 broadcast', 'q|k|v wait', 'q|k|v GEMM', 'cluster barrier', 'self-attention',
@@ -63,25 +62,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print('needs an sm_90 CUDA device')
         return 2
-    cfg = MolmoBotConfig.from_name('molmobot-4b-8cam')
-    torch.manual_seed(0)
-    ae = ae_mod.ActionExpert(cfg.action_expert, cfg.llm.d_model, cfg.action_dim,
-                             cfg.action_horizon, cfg.states_mode)
-    with torch.no_grad():
-        for p in ae.parameters():
-            p.normal_(0.0, 0.02)
-    ae = ae.to(dev, torch.bfloat16).eval()
+    with torch.inference_mode():
+        ae, hidden, mask, states, noise = build(1664, dev)    # benchmark_fused_dit's expert
     reason = cluster_dit.unavailable_reason(ae, dev, torch.bfloat16, 1680)
     if reason:
         print(f'the cluster kernel cannot serve: {reason}')
         return 2
     with torch.inference_mode():
-        hidden = torch.randn(len(ae.blocks), 1, 1664, cfg.llm.d_model, device=dev,
-                             dtype=torch.bfloat16)
-        mask = torch.ones(1, 1664, dtype=torch.bool, device=dev)
-        mask[:, -25:] = False
-        states = torch.randn(1, cfg.n_obs_steps, cfg.state_dim, device=dev)
-        noise = torch.randn(1, cfg.action_horizon, cfg.action_dim, device=dev)
         ctx = ae.prepare_context(hidden, mask, states.to(torch.bfloat16))
         mod = ae.time_conditioning(torch.full((1,), 0.3, device=dev)).blocks
         x = ae.embed_actions(noise, ctx.state_tokens)

@@ -347,6 +347,25 @@ __device__ __forceinline__ float gelu(float x) {
 }
 __device__ __forceinline__ float bf(const bf16 *p, int i) { return __bfloat162float(p[i]); }
 
+// the LayerNorm applied in a GEMM epilogue (see the file's header), for output columns col and
+// col + 1: rstd * (acc - mean u) + v + bias, with u, v, bias this CTA's columns
+__device__ __forceinline__ float2 layer_norm_epilogue(float a0, float a1, int col, const float *u,
+                                                      const float *v, const bf16 *bias,
+                                                      float mean, float rstd) {
+    return make_float2(rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col),
+                       rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1));
+}
+
+// a column pair (zero where keep is false: rows >= T) into every CTA's copy of buf, at offset
+__device__ __forceinline__ void broadcast_pair(cg::cluster_group &cluster, bf16 *buf, int offset,
+                                               float y0, float y1, bool keep) {
+    const __nv_bfloat162 y = keep ? __floats2bfloat162_rn(y0, y1)
+                                  : __floats2bfloat162_rn(0.f, 0.f);
+#pragma unroll
+    for (int dst = 0; dst < R; ++dst)
+        *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(buf, dst) + offset) = y;
+}
+
 // xm = x * (1 + scale) of this CTA's columns and their row sums / sums of squares, to every CTA
 // of the cluster; then the row statistics (mean, 1 / std) from all of them into mrs
 __device__ __forceinline__ void ln_broadcast(cg::cluster_group &cluster, const float *xs,
@@ -497,6 +516,13 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     for (int k = tid; k < gr * 16; k += THREADS) mbias[k] = p.mask_bias[g0 * 16 + k];
     cluster.sync();                 // every CTA of the cluster runs before remote writes
     const bf16 zero = __float2bfloat16(0.f);
+    // the epilogue of the three head partials: rows < T of this CTA's columns, float32
+    const auto store_partial = [T](float *part) {
+        return [T, part](int row, int col, float a0, float a1) {
+            if (row < T)
+                *reinterpret_cast<float2 *>(part + (size_t)row * D + col) = make_float2(a0, a1);
+        };
+    };
     for (int b = 0; b < p.nb; ++b) {
         const int it0 = b * ipb;
         long long *trace = p.trace ? p.trace + ((size_t)blockIdx.x * p.nb + b) * TRACE_POINTS
@@ -516,17 +542,10 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         gemm<6, D / 16, 2>(xa, LDX, ring, it0, ntv, red,
             [&](int row, int col, float a0, float a1) {
                 const int jj = j0 + col / 8, part = jj / Q2_NT, w = (jj % Q2_NT) * 8 + col % 8;
-                const float *u = opf + OP_QU / 4, *v = opf + OP_QV / 4;
-                const bf16 *bias = opb + OP_QB / 2;
-                const float mean = mrs[row], rstd = mrs[MR + row];
-                const float y0 = rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col);
-                const float y1 = rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1);
-                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
-                                                 : __nv_bfloat162(zero, zero);
-#pragma unroll
-                for (int dst = 0; dst < R; ++dst)
-                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(qkv, dst)
-                                                        + row * LDQKV + part * HD + w) = y;
+                const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_QU / 4,
+                                                     opf + OP_QV / 4, opb + OP_QB / 2, mrs[row],
+                                                     mrs[MR + row]);
+                broadcast_pair(cluster, qkv, row * LDQKV + part * HD + w, y.x, y.y, row < T);
             });
         STAMP(3);
         cluster_arrive();
@@ -591,11 +610,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         ring.wait(it0 + 5);
         ring.wait(it0 + 6);
         gemm<12, HD / 16, 4>(oh, LDH, ring, it0 + 5, 12, red,
-            [&](int row, int col, float a0, float a1) {
-                if (row < T)
-                    *reinterpret_cast<float2 *>(part0 + (size_t)row * D + col) =
-                        make_float2(a0, a1);
-            });
+            store_partial(part0));
         STAMP(6);
         arrive_and_wait(ctr, H * (3 * b + 1), exchange, [&] {
             issue_by(1, st, ring, issued, it0 + 7 + RING);
@@ -611,19 +626,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         gemm<2, D / 16, 1>(xa, LDX, ring, it0 + 7, ntv2, red,
             [&](int row, int col, float a0, float a1) {
                 const int w = (q0 + col / 8) * 8 + col % 8;
-                const float *u = opf + OP_CU / 4, *v = opf + OP_CV / 4;
-                const bf16 *bias = opb + OP_CB / 2;
-                const float mean = mrs[row], rstd = mrs[MR + row];
-                const float y0 = (rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col))
-                                 * p.sm_scale;
-                const float y1 = (rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1))
-                                 * p.sm_scale;
-                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
-                                                 : __nv_bfloat162(zero, zero);
-#pragma unroll
-                for (int dst = 0; dst < R; ++dst)
-                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(q2, dst)
-                                                        + row * LDH + w) = y;
+                const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_CU / 4,
+                                                     opf + OP_CV / 4, opb + OP_CB / 2, mrs[row],
+                                                     mrs[MR + row]);
+                broadcast_pair(cluster, q2, row * LDH + w, y.x * p.sm_scale, y.y * p.sm_scale,
+                               row < T);
             });
         cluster_arrive();
         issue_by(0, st, ring, issued, it0 + 9 + RING);
@@ -775,11 +782,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         ring.wait(itw);
         ring.wait(itw + 1);
         gemm<12, HD / 16, 4>(oh, LDH, ring, itw, 12, red,
-            [&](int row, int col, float a0, float a1) {
-                if (row < T)
-                    *reinterpret_cast<float2 *>(part1 + (size_t)row * D + col) =
-                        make_float2(a0, a1);
-            });
+            store_partial(part1));
         STAMP(17);
         arrive_and_wait(ctr, H * (3 * b + 2), exchange, [&] {
             issue_by(1, st, ring, issued, itw + 2 + RING);
@@ -793,18 +796,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(20);
         gemm<6, D / 16, 2>(xa, LDX, ring, itw + 2, 6, red,
             [&](int row, int col, float a0, float a1) {
-                const float *u = opf + OP_FU / 4, *v = opf + OP_FV / 4;
-                const bf16 *bias = opb + OP_FB / 2;
-                const float mean = mrs[row], rstd = mrs[MR + row];
-                const float y0 = gelu(rstd * (a0 - mean * u[col]) + v[col] + bf(bias, col));
-                const float y1 = gelu(rstd * (a1 - mean * u[col + 1]) + v[col + 1]
-                                      + bf(bias, col + 1));
-                const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(y0, y1)
-                                                 : __nv_bfloat162(zero, zero);
-#pragma unroll
-                for (int dst = 0; dst < R; ++dst)
-                    *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(ah, dst) + row * LDA
-                                                        + r * FW + col) = y;
+                const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_FU / 4,
+                                                     opf + OP_FV / 4, opb + OP_FB / 2, mrs[row],
+                                                     mrs[MR + row]);
+                broadcast_pair(cluster, ah, row * LDA + r * FW + col, gelu(y.x), gelu(y.y),
+                               row < T);
             });
         cluster_arrive();
         issue_by(0, st, ring, issued, itw + 8 + RING);
@@ -813,11 +809,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
         for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
         gemm<12, FH / 16, 4>(ah, LDA, ring, itw + 8, 12, red,
-            [&](int row, int col, float a0, float a1) {
-                if (row < T)
-                    *reinterpret_cast<float2 *>(part2 + (size_t)row * D + col) =
-                        make_float2(a0, a1);
-            });
+            store_partial(part2));
         STAMP(22);
         arrive_and_wait(ctr, H * (3 * b + 3), exchange, [&] {
             issue_by(1, st, ring, issued, itw + 14 + RING);
