@@ -150,7 +150,7 @@ class RecordingGraph(InProcessGraph):
         self.peer.create_subscription(DiagnosticStatus, f'/{name}/chunk_info', self._on_info, 10)
         self.peer.create_subscription(DiagnosticArray, '/diagnostics', self._on_diagnostics, 10)
         publish_robot_inputs(self.peer, cameras, joint_state_topic, joints, period=0.05,
-                             height=4, width=4,
+                             height=32, width=32,     # min_image_size's default
                              compressed=values.get('camera_transports') == ['compressed'])
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.policy)

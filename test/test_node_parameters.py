@@ -320,7 +320,9 @@ def test_the_gripper_dimension_has_no_velocity_limit():
     ('max_joint_velocity', ['fast'], 'not a number'),
     ('camera_transports', ['raw', 'compressed'], "1 or 8 (one per camera topic) of ['raw', "
                                                  "'compressed']"),
-    ('camera_transports', ['theora'], "of ['raw', 'compressed']")])
+    ('camera_transports', ['theora'], "of ['raw', 'compressed']"),
+    ('min_image_size', [32], 'is not [height, width]'),
+    ('min_image_size', [32, -1], 'two pixel counts >= 0')])
 def test_bad_safety_parameters_are_refused_naming_them(name, value, expected):
     from molmobot_policy.ros.parameters import check_parameter_values
     with pytest.raises(ParameterError) as info:

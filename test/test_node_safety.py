@@ -78,8 +78,9 @@ class _Log:
 
 
 class _Graph(InProcessGraph):
-    """A PolicyNode (not started) and a peer publishing `cameras` frames (rgb8 unless
-    `encodings` says otherwise) and `positions` on the joint state; the peer records."""
+    """A PolicyNode (not started) and a peer publishing `cameras` frames (32 x 32 rgb8 unless
+    `encodings` / `sizes` say otherwise) and `positions` on the joint state; the peer
+    records."""
 
     def __init__(self, name: str, engine=_Engine, namespace=None, argv=None,
                  action_joints=JOINTS, **parameters) -> None:
@@ -106,7 +107,7 @@ class _Graph(InProcessGraph):
         self.lock = threading.Lock()
         self.trajectories, self.infos, self.diagnostics = [], [], []
         self.positions = {n: 0.0 for n in JOINTS}
-        self.encodings = {}
+        self.encodings, self.sizes = {}, {}    # per camera topic: not rgb8, not 32 x 32
         fqn = self.policy.get_fully_qualified_name()
         self.peer.create_subscription(JointTrajectory, f'{fqn}/joint_trajectory',
                                       self._keep(self.trajectories), 10)
@@ -133,7 +134,9 @@ class _Graph(InProcessGraph):
         stamp = self.peer.get_clock().now().to_msg()
         for topic, publisher in zip(self.cameras, self._camera_pubs):
             encoding = self.encodings.get(topic, 'rgb8')
-            msg = Image(height=4, width=4, encoding=encoding, step=12, data=bytes(48))
+            height, width = self.sizes.get(topic, (32, 32))
+            msg = Image(height=height, width=width, encoding=encoding, step=3 * width,
+                        data=bytes(3 * width * height))
             msg.header.stamp = stamp
             publisher.publish(msg)
         state = JointState(name=list(self.positions), position=list(self.positions.values()))
@@ -424,6 +427,22 @@ def test_a_camera_with_an_unsupported_encoding_goes_error_after_max_image_age(gr
     assert 'yuv422' in g.status('output').message
 
 
+def test_a_camera_sending_tiny_frames_is_refused_naming_min_image_size(graph):
+    g = graph('safety_tiny', allow_random_weights=True, output_error_periods=2)
+    g.sizes[g.cameras[0]] = (2, 2)            # a failing driver's frames
+    g.start()
+
+    def camera():
+        return g.status(f'camera {g.cameras[0]}')
+    assert g.wait_for(lambda: camera() is not None and 'min_image_size' in camera().message)
+    assert '2x2 frame, smaller than min_image_size 32x32' in camera().message
+    assert g.wait_for(lambda: _level(g.status('output')) == DiagnosticStatus.ERROR)
+    assert 'min_image_size' in g.status('output').message
+    assert g.trajectories == []
+    g.sizes.clear()                           # the driver recovers: chunks flow again
+    assert g.wait_for(lambda: g.trajectories), g.log.text()
+
+
 # ------------------------------------------------------------------ compressed cameras
 def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the_topic(graph):
     """camera_transports: compressed -> the node subscribes <topic>/compressed
@@ -433,7 +452,7 @@ def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the
     from sensor_msgs.msg import CompressedImage
     g = graph('safety_compressed', allow_random_weights=True,
               camera_transports=['compressed'])
-    ok, jpeg = cv2.imencode('.jpg', np.zeros((16, 16, 3), np.uint8))
+    ok, jpeg = cv2.imencode('.jpg', np.zeros((32, 32, 3), np.uint8))
     assert ok
     corrupt = {'on': False}
     publishers = [g.peer.create_publisher(CompressedImage, f'{t}/compressed',

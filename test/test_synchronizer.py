@@ -266,6 +266,30 @@ def test_undecodable_frame_skips_the_tick_naming_the_topic():
     assert skip.topics == (CAMERAS[1],) and "'yuv422'" in str(skip)
 
 
+def test_a_frame_below_min_image_size_is_refused_until_a_big_enough_one_arrives():
+    sync = _sync(min_image_size=(4, 4))
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1, height=4, width=6), 10.0, 10.0)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 10.0, 10.0)
+    assert isinstance(sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0), Observation)
+    sync.add_image(CAMERAS[1], _image(2, height=2, width=2), 10.1, 10.1)    # a broken driver
+    skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and skip.topics == (CAMERAS[1],)
+    assert f'{CAMERAS[1]}: a 2x2 frame, smaller than min_image_size 4x4' in str(skip)
+    # refused again, not kept as decoded, on the next build
+    assert isinstance(sync.build(now=10.15, max_image_age=1.0, max_state_age=1.0), Skip)
+    assert 'min_image_size' in sync.stats(now=10.15)[CAMERAS[1]].problem
+    sync.add_image(CAMERAS[1], _image(3, height=5, width=4), 10.2, 10.2)
+    obs = sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(obs, Observation) and obs.images[1].shape == (5, 4, 3)
+
+
+def test_min_image_size_must_be_two_non_negative_counts():
+    for bad in ((-1, 4), (4,), (1, 2, 3)):
+        with pytest.raises(ValueError, match='min_image_size'):
+            _sync(min_image_size=bad)
+
+
 def test_mismatched_joint_state_lengths_raise():
     with pytest.raises(ValueError, match='2 names but 1 positions'):
         _sync().add_joint_state(['joint_a', 'joint_b'], [1.0], 10.0, 10.0)

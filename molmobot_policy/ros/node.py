@@ -253,6 +253,9 @@ class PolicyNode(LifecycleNode):
     def _warmup_progress(self, message: str) -> None:
         self._check_not_shut_down()
         self._idle.step(message)
+        # again right before the log line: SIGINT may shut the context down meanwhile, and a
+        # line logged to /rosout then fails ('Failed to publish log message to rosout')
+        self._check_not_shut_down()
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
@@ -266,7 +269,8 @@ class PolicyNode(LifecycleNode):
             [topic for topic, _ in cameras], self._param('joint_names'),
             joint_state_topic=self.resolve_topic_name(joint_state_topic),
             max_future=self._param('max_future_stamp'),
-            action_joint_names=self._param('action_joint_names'))
+            action_joint_names=self._param('action_joint_names'),
+            min_image_size=self._param('min_image_size'))
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
         else:

@@ -116,6 +116,11 @@ PARAMETERS = {
     'max_future_stamp': (0.05, descriptor(
         'seconds; an input whose header stamp is further ahead of the node clock is refused '
         '(clocks not synchronized) and never used', _D, float_range=(0.0, 60.0))),
+    'min_image_size': ([32, 32], descriptor(
+        'pixels [height, width]; a camera frame smaller in either is refused (a failing '
+        'driver or a wrong topic: the model, which sees 14-pixel patches of a 378-pixel '
+        'resize, would get a blown-up handful of pixels) and the tick skipped, naming the '
+        'camera; [0, 0]: no minimum', _IA)),
     'max_joint_velocity': ([DEFAULT_MAX_JOINT_VELOCITY], descriptor(
         'rad/s (robot units/s) per action joint, one value for all or one per joint, each > 0 '
         '(.inf: none): the first point of every chunk moves at most this fast from the '
@@ -379,7 +384,8 @@ def check_parameter_values(parameter) -> None:
             not one of CAMERA_QOS; camera_transports not 1 or one per camera of
             CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min / _max not
             numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per action
-            joint; action_joint_names not in joint_names (`unanchored_action_joints`).
+            joint; action_joint_names not in joint_names (`unanchored_action_joints`);
+            min_image_size not two pixel counts >= 0.
     """
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
         if not list(parameter(name)):
@@ -406,6 +412,13 @@ def check_parameter_values(parameter) -> None:
                              f'{list(CAMERA_TRANSPORTS)}')
     for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max'):
         per_joint(parameter, name)
+    size = parameter('min_image_size')
+    size = [] if size is None else list(size)
+    if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                 for v in size):
+        raise ParameterError('min_image_size', size,
+                             'is not [height, width]: two pixel counts >= 0 (e.g. [32, 32]; '
+                             '[0, 0]: no minimum)')
     receiver = parameter('camera_receiver')
     if receiver not in CAMERA_RECEIVERS:
         raise ParameterError('camera_receiver', receiver,

@@ -134,6 +134,8 @@ class ObservationSynchronizer:
             would look fresh long after its camera stopped and block every later frame.
         action_joint_names: further joints whose newest position is kept for
             `latest_positions` (the commanded joints; those in joint_names are kept anyway).
+        min_image_size: (height, width) pixels; a decoded frame smaller in either is refused
+            like an undecodable one ((0, 0): no minimum).
 
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
@@ -143,7 +145,8 @@ class ObservationSynchronizer:
             (frames already decoded are reused).
 
     Raises:
-        ValueError: empty or duplicated camera topics or joint names, max_future < 0.
+        ValueError: empty or duplicated camera topics or joint names, max_future < 0,
+            min_image_size not two counts >= 0.
 
     A refused input (future or unset stamp, non-finite joint positions, undecodable frame) is
     never stored as the newest; `stats` names the problem for diagnostics.
@@ -153,7 +156,8 @@ class ObservationSynchronizer:
                  joint_state_topic: str = '/joint_states',
                  decode: Callable[[object, str], np.ndarray] = decode_image,
                  rate_window: int = 30, max_future: float = 0.05,
-                 action_joint_names: Sequence[str] = ()) -> None:
+                 action_joint_names: Sequence[str] = (),
+                 min_image_size: Sequence[int] = (0, 0)) -> None:
         self.camera_topics = tuple(camera_topics)
         self.joint_names = tuple(joint_names)
         self.joint_state_topic = joint_state_topic
@@ -168,6 +172,10 @@ class ObservationSynchronizer:
         if not max_future >= 0.0:
             raise ValueError(f'max_future must be >= 0 s, got {max_future!r}')
         self.max_future = float(max_future)
+        self.min_image_size = tuple(int(v) for v in min_image_size)
+        if len(self.min_image_size) != 2 or min(self.min_image_size) < 0:
+            raise ValueError(f'min_image_size must be (height, width) >= 0, got '
+                             f'{tuple(min_image_size)}')
         self.action_joint_names = tuple(action_joint_names)
         self._kept_joints = frozenset(self.joint_names + self.action_joint_names)
         self._decode = decode
@@ -510,12 +518,19 @@ class ObservationSynchronizer:
     def _decode_frames(self, pending: list) -> list:
         """Decode each (topic, frame) of `pending` into frame.decoded, on the decode pool when
         there are several; the ValueError (or None) of each, in order. Other errors raise."""
+        min_h, min_w = self.min_image_size
+
         def one(item):
             topic, frame = item
             try:
-                frame.decoded = self._decode(frame.msg, topic)
+                image = self._decode(frame.msg, topic)
             except ValueError as bad:
                 return bad
+            if image.shape[0] < min_h or image.shape[1] < min_w:
+                return ValueError(f'{topic}: a {image.shape[0]}x{image.shape[1]} frame, smaller '
+                                  f'than min_image_size {min_h}x{min_w} (height x width): a '
+                                  'failing camera driver or the wrong topic?')
+            frame.decoded = image
             return None
         if len(pending) < 2:
             return [one(item) for item in pending]
