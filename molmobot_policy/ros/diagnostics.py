@@ -21,7 +21,7 @@ The node's rules, one task each (thresholds are node parameters, read at every u
   monitor that reads only levels must not see an untrained model as OK); carries what is
   served (checkpoint and weights fingerprint, or RANDOM WEIGHTS), the engine's mode (and
   where the cameras are received) and the latency estimate behind the lead.
-- `ScheduleTask`: WARN / ERROR when the publish jitter p99 of the last LEVEL_CHUNKS chunks
+- `ScheduleTask`: WARN / ERROR when the largest publish jitter of the last LEVEL_CHUNKS chunks
   after the start-up chunks exceeds diag_jitter_warn_ms / diag_jitter_error_ms, WARN with the
   last skip reason while ticks are skipped, WARN naming the start-up chunks when one was later
   than diag_jitter_warn_ms, until LEVEL_CHUNKS chunks have followed them; the loop's counters
@@ -246,7 +246,7 @@ class InferenceTask(DiagnosticTask):
         return stat
 
 
-LEVEL_CHUNKS = 20   # the schedule's level: jitter p99 of the latest chunks (the values keep
+LEVEL_CHUNKS = 20   # the schedule's level: largest jitter of the latest chunks (the values keep
                     # the whole window): late chunks after activation, on cold caches, must
                     # not hold it at ERROR for the 200-chunk window (minutes at a 1.5 s period).
                     # The start-up chunks are left out of it: they run on a lead that used
@@ -257,8 +257,8 @@ LEVEL_CHUNKS = 20   # the schedule's level: jitter p99 of the latest chunks (the
 
 class ScheduleTask(DiagnosticTask):
     """The schedule: `stats` a `timing.LoopStats`, `gc_pauses` a `timing.GcPauses`,
-    `frames_decoded()` -> camera frames decoded so far. Level by the publish jitter p99 of
-    the last LEVEL_CHUNKS chunks after the start-up chunks (`stats.startup_jitter_ms`); WARN
+    `frames_decoded()` -> camera frames decoded so far. Level by the largest publish jitter
+    of the last LEVEL_CHUNKS chunks after the start-up chunks (`stats.startup_jitter_ms`); WARN
     naming `stats.last_skip` while ticks are skipped (the loop clears it when a chunk is
     published); WARN naming the start-up chunks when one was later than diag_jitter_warn_ms,
     until LEVEL_CHUNKS chunks have followed them."""
@@ -275,18 +275,19 @@ class ScheduleTask(DiagnosticTask):
         startup = stats.startup_jitter_ms.summary()
         steady = stats.jitter_ms.total - startup['total']       # chunks after start-up
         rated = min(LEVEL_CHUNKS, steady)
-        p99 = stats.jitter_ms.quantile(0.99, last=rated) if rated > 0 else math.nan
+        # the largest, not a p99: over 20 values a p99 is the largest but for interpolation
+        worst = stats.jitter_ms.quantile(1.0, last=rated) if rated > 0 else math.nan
         warn_ms = self._parameter('diag_jitter_warn_ms')
-        level = _level(p99, warn_ms, self._parameter('diag_jitter_error_ms'))
+        level = _level(worst, warn_ms, self._parameter('diag_jitter_error_ms'))
         if level != OK:
-            stat.summary(level, f'publish jitter p99 {p99:.1f} ms over the last {rated} '
+            stat.summary(level, f'publish jitter up to {worst:.1f} ms over the last {rated} '
                                 'chunks')
         elif stats.last_skip:
             stat.summary(WARN, f'last skip: {stats.last_skip}')
         elif startup['max'] > warn_ms and steady < LEVEL_CHUNKS:
             stat.summary(WARN, f"start-up chunks late: up to {startup['max']:.1f} ms over "
                                f"the first {startup['total']} (scheduled before the lead used "
-                               "any of this activation's inference times; not in the p99)")
+                               "any of this activation's inference times; not rated)")
         else:
             stat.summary(OK, 'ok')
         add_summary_ms(stat, 'publish_jitter', jitter)

@@ -30,13 +30,15 @@ HEADER = f"""# molmobot_policy node parameters
 
 Every parameter the node declares, in declaration order. Set them in a `--params-file`
 (`config/policy_droid.yaml` is a complete example) or with `-p name:=value`; an unknown name
-fails configure with a suggestion. *run time*: `ros2 param set` changes it while the node runs
+fails configure with a suggestion. *run time*: `ros2 param set` (with the PyPI wheels only, which
+have no `ros2 param`: the SetParameters call of docs/ROBOT.md) changes it while the node runs
 (the others are read at configure). Write doubles with a decimal point (`1.0`, not `1`) in
 parameter files (a file's `1` is refused with that hint); `ros2 param set` takes `1` for a
 double as `1.0`. *dynamic*: the node converts the value at configure, so a per-joint list
 also takes one number, and `fused_action_expert` also takes unquoted `on` / `off` (which
 YAML reads as booleans).
-`ros2 param describe /molmobot_policy <name>` shows the same descriptions.
+On a full ROS 2 install `ros2 param describe /molmobot_policy <name>` shows the same
+descriptions.
 
 | parameter | type | default | run time | meaning; allowed values |
 |---|---|---|---|---|

@@ -220,10 +220,10 @@ PARAMETERS = {
         'ms; inference p99 above this is ERROR', _D, read_only=False,
         float_range=(0.0, 1e6))),
     'diag_jitter_warn_ms': (10.0, descriptor(
-        'ms; publish jitter p99 of the last 20 chunks after start-up above this is WARN', _D,
+        'ms; the largest publish jitter of the last 20 chunks after start-up above this is WARN', _D,
         read_only=False, float_range=(0.0, 1e6))),
     'diag_jitter_error_ms': (50.0, descriptor(
-        'ms; publish jitter p99 of the last 20 chunks after start-up above this is ERROR', _D,
+        'ms; the largest publish jitter of the last 20 chunks after start-up above this is ERROR', _D,
         read_only=False, float_range=(0.0, 1e6))),
 }
 

@@ -48,12 +48,14 @@ BLOCK_ROWS = 64        # folded (query head, row) pairs per Triton program
 BLOCK_KEYS = 64        # keys per step of its loop
 WARPS = 4              # warps per program
 KEY_SPLITS = 1         # programs per row block over the keys (> 1: partials, then a merge)
+MIN_EXTRA = 8          # fewest extra score dims (more, e.g. 64 for a 192-wide score head,
+                       # only if cuDNN runs that shape faster: benchmark_llm_attention.py)
 
 
 def extra_dims(max_runs: int) -> int:
     """Extra score dimensions for up to `max_runs` image runs: a multiple of 8 (cuDNN's head
-    dimension granularity), at least 8."""
-    return max(8, -(-int(max_runs) // 8) * 8)
+    dimension granularity), at least MIN_EXTRA."""
+    return max(MIN_EXTRA, -(-int(max_runs) // 8) * 8)
 
 
 def unavailable_reason(cfg, device: torch.device, dtype: torch.dtype) -> str:
