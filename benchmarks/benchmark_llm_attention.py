@@ -17,8 +17,9 @@ layer), median of 60 replays, us per call:
       error over the non-image rows only)
   one compiled LLM block (torch.compile, fullgraph) with each mask form
 
-Errors: max |out - ref| / max |ref| against float32 attention under the boolean mask. Prints
-a table; writes JSON with `common.provenance()`. docs/PERFORMANCE.md quotes the figures.
+Errors: max |out - ref| / max |ref| against float32 attention under the boolean mask. The
+JSON also names the kernels of the unmasked calls (torch.profiler: which cuDNN engine runs a
+score head of 128 + E). Prints a table; writes JSON with `common.provenance()`. docs/PERFORMANCE.md quotes the figures.
 """
 from __future__ import annotations
 
@@ -60,6 +61,22 @@ def graph_us(fn) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / CALLS)
     return sorted(times)[len(times) // 2]
+
+
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one call of `fn` launches (which cuDNN engine ran a head width), as
+    'name: us'."""
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception as error:     # noqa: BLE001 - reported in the row's error already
+        return [f'{type(error).__name__}']
+    return [f'{e.key[:120]}: {e.device_time_total:.1f}' for e in prof.key_averages()
+            if e.device_time_total > 0]
 
 
 def main() -> None:
@@ -117,6 +134,8 @@ def main() -> None:
                                                enable_gqa=True).transpose(1, 2))
     row('SDPA without a mask (wrong result: the dense bound)',
         lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    rows[-1]['kernels'] = kernel_names(
+        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     for extra in (int(e) for e in args.extra.split(',')):
         mask = la.ImageRunMask.build(input_ids, valid, image_ids, n_patch, extra, dt)
         q_aug = torch.cat([q.transpose(1, 2), mask.q_extra.expand(1, length, hq, extra)],
@@ -124,6 +143,9 @@ def main() -> None:
         k_aug = torch.cat([k.transpose(1, 2), mask.k_extra.expand(1, length, hk, extra)],
                           -1).transpose(1, 2)
         row(f'image runs E={extra}: cuDNN [q|extra] x [k|extra], unmasked',
+            lambda: F.scaled_dot_product_attention(q_aug, k_aug, v, scale=scale,
+                                                   enable_gqa=True))
+        rows[-1]['kernels'] = kernel_names(
             lambda: F.scaled_dot_product_attention(q_aug, k_aug, v, scale=scale,
                                                    enable_gqa=True))
         out = torch.empty(1, length, hq, hd, device=dev, dtype=dt).transpose(1, 2)
