@@ -207,6 +207,20 @@ def text_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows:
 if triton is not None:
 
     @triton.jit
+    def _row_block(pid, rows_ptr, n_rows_ptr, R, HK, G: tl.constexpr, BM: tl.constexpr):
+        """Program (pid, program_id(1))'s rows: batch b, KV head kvh, the BM folded pairs f =
+        g * R + r, which are live (a query head of the group, r < n_rows), their positions
+        rows[b, r] and query heads kvh * G + g."""
+        b = pid // HK
+        kvh = pid % HK
+        f = tl.program_id(1) * BM + tl.arange(0, BM)
+        g = f // R
+        r = f % R
+        live = (g < G) & (r < tl.load(n_rows_ptr + b))
+        pos = tl.load(rows_ptr + b * R + r, mask=live, other=0)
+        return b, kvh, f, live, pos, kvh * G + g
+
+    @triton.jit
     def _text_rows_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_ptr, rows_ptr, n_rows_ptr,
                           valid_ptr, scale_log2, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
                           sob, soh, sol, L, R, HK, CHUNK,
@@ -218,16 +232,8 @@ if triton is not None:
         SPLIT == 1: writes o[b, h, rows[r], :]; else the partial (row max, sum, unnormalized
         output: base-2 exponents) to ws[b * HK + kvh, split, f] for `_combine_kernel`."""
         pid = tl.program_id(0)
-        b = pid // HK
-        kvh = pid % HK
+        b, kvh, f, live, pos, h = _row_block(pid, rows_ptr, n_rows_ptr, R, HK, G, BM)
         split = tl.program_id(2)
-        f = tl.program_id(1) * BM + tl.arange(0, BM)
-        n_rows = tl.load(n_rows_ptr + b)
-        g = f // R
-        r = f % R
-        live = (g < G) & (r < n_rows)
-        pos = tl.load(rows_ptr + b * R + r, mask=live, other=0)
-        h = kvh * G + g
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + pos[:, None] * sql + dims[None, :],
                     mask=live[:, None], other=0.0)
@@ -275,15 +281,7 @@ if triton is not None:
         """Merges the SPLIT partials of `_text_rows_kernel` in split order (fixed: bitwise
         reproducible) and writes o[b, h, rows[r], :]."""
         pid = tl.program_id(0)
-        b = pid // HK
-        kvh = pid % HK
-        f = tl.program_id(1) * BM + tl.arange(0, BM)
-        n_rows = tl.load(n_rows_ptr + b)
-        g = f // R
-        r = f % R
-        live = (g < G) & (r < n_rows)
-        pos = tl.load(rows_ptr + b * R + r, mask=live, other=0)
-        h = kvh * G + g
+        b, kvh, f, live, pos, h = _row_block(pid, rows_ptr, n_rows_ptr, R, HK, G, BM)
         dims = tl.arange(0, D)
         fs = G * R
         m = tl.full([BM], float('-inf'), tl.float32)
