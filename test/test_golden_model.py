@@ -91,12 +91,12 @@ def test_llm_hidden_states_through_the_image_run_mask_match_golden(golden_model,
     """The served engine's form of the mask (`llm_attention: image_runs`: the image rows'
     mask as extra head dimensions, the other rows recomputed; here its CPU path) against
     upstream's every-layer hidden states."""
-    from molmobot_policy.runtime.serving import _image_run_mask
+    from molmobot_policy.runtime.serving import image_run_mask
     model, _ = golden_model
     with torch.no_grad():
         hidden = model.llm_hidden_states(*inputs(case),
                                          position_ids=torch.from_numpy(case['position_ids']),
-                                         llm_mask=_image_run_mask(model))
+                                         llm_mask=image_run_mask(model))
     ref = case['llm_layer_hidden_states']
     errors = [rel_err(hidden[i], ref[i]) for i in range(ref.shape[0])]
     assert max(errors) < RTOL, errors

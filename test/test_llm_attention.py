@@ -179,7 +179,7 @@ def tiny():
 
 
 def test_llm_through_the_image_run_mask_equals_the_additive_mask(tiny):
-    from molmobot_policy.runtime.serving import _image_run_mask
+    from molmobot_policy.runtime.serving import image_run_mask
     cfg = tiny.config
     pre = Preprocessor(cfg, tiny_tokenizer(), None, buckets=(), overlong='error',
                        device=torch.device('cpu'))
@@ -194,7 +194,7 @@ def test_llm_through_the_image_run_mask_equals_the_additive_mask(tiny):
                   image_positions=inp['image_positions'])
     with torch.no_grad():
         ref = tiny.llm_hidden_states(*args, **kwargs)
-        got = tiny.llm_hidden_states(*args, **kwargs, llm_mask=_image_run_mask(tiny))
+        got = tiny.llm_hidden_states(*args, **kwargs, llm_mask=image_run_mask(tiny))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -247,7 +247,7 @@ def llm_attention_choice(config, model) -> str:
     return 'image_runs'
 
 
-def _image_run_mask(model):
+def image_run_mask(model):
     """`llm_mask(input_ids, attention_mask, n_patch_tokens)` for `MolmoBot.llm_hidden_states`:
     the query's `runtime.llm_attention.ImageRunMask`, at most `max_images` image runs."""
     from molmobot_policy.runtime.llm_attention import ImageRunMask, extra_dims
@@ -321,4 +321,4 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
     return ServedModel(model, served, fp8, kernel, reason, attention,
-                       _image_run_mask(model) if attention == 'image_runs' else None)
+                       image_run_mask(model) if attention == 'image_runs' else None)
