@@ -55,13 +55,15 @@ def test_a_failing_parent_check_stops_the_node(monkeypatch):
 
 
 def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
-            terminal: bool = False) -> tuple[int, Path]:
+            terminal: bool = False, at_once: bool = False) -> tuple[int, Path]:
     """Start the node (autostart off: no engine) from a parent that exits at once without
     stopping it (`nohup`: with SIGHUP ignored, as nohup starts it; otherwise with SIGHUP at
     its default whatever this test runs under, e.g. `nohup make test`); returns the node's
     pid and its log. `terminal`: the node's stdout and stderr are a pty that the parent
     reads into the log and that is gone with the parent, as `ros2 launch`'s
-    (`emulate_tty=True`): the node's writes to it then fail (EIO)."""
+    (`emulate_tty=True`): the node's writes to it then fail (EIO). `at_once`: the parent
+    exits right after starting it (a shell's `node &` that ends), while the node still
+    imports."""
     log = tmp_path / 'node.log'
     script = textwrap.dedent(f'''
         import os, pty, select, signal, subprocess, sys, time
@@ -79,7 +81,7 @@ def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
                                 cwd={str(REPO)!r}, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         print(node.pid, flush=True)
-        end = time.monotonic() + 30          # exit once the node runs (as launch would)
+        end = time.monotonic() + (0 if {at_once!r} else 30)   # exit once the node runs
         if {terminal!r}:
             os.close(output)
             text = ''
@@ -131,6 +133,44 @@ def test_an_orphaned_node_stops_and_says_why(tmp_path):
         text = log.read_text()
         assert 'the process that started this node' in text and 'has exited' in text
         assert 'shutting down after 0 chunks' in text
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_node_orphaned_before_it_starts_says_so_at_warn(tmp_path):
+    # a fresh-user trial: `bash -c "policy_node ... &"` exits before the node's interpreter is
+    # up; its parent is init from the start, there is nothing to watch, and it said nothing
+    pid, log = _orphan(tmp_path, stop_with_parent=True, at_once=True)
+    try:
+        assert _wait_log(log, 'autostart is off', 30.0), log.read_text()
+        text = log.read_text()
+        assert '[WARN]' in text and 'this node was orphaned before it started' in text, text
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_orphan_note_is_info_under_systemd_and_in_a_container():
+    from rclpy.logging import LoggingSeverity
+
+    from molmobot_policy.ros.main import orphan_note
+    assert orphan_note(1, {})[1] == LoggingSeverity.WARN
+    assert orphan_note(1, {'INVOCATION_ID': 'abc'})[1] == LoggingSeverity.INFO
+    assert orphan_note(0, {})[1] == LoggingSeverity.INFO
+
+
+def test_the_stop_reason_is_logged_before_shutting_down(tmp_path):
+    pid, log = _orphan(tmp_path, stop_with_parent=True)
+    try:
+        assert _wait_exit(pid, 30.0), log.read_text()
+        text = log.read_text()
+        assert text.index('has exited') < text.index('shutting down'), text
+        assert 'Failed to publish log message to rosout' not in text, text
     finally:
         try:
             os.kill(pid, signal.SIGKILL)

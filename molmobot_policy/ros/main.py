@@ -135,6 +135,21 @@ class GracefulSigint:
             self._previous = None
 
 
+def orphan_note(parent: int, environ) -> tuple[str, object]:
+    """(line, severity) for a node whose parent was pid `parent` <= 1 at start: nothing to
+    watch. INFO under systemd (INVOCATION_ID set) or as a container's first process (parent 0);
+    else WARN: the process that started it has most likely exited already (a shell's
+    `policy_node &` that ended within the interpreter's start), so it runs unsupervised."""
+    from rclpy.logging import LoggingSeverity
+    if parent <= 0 or environ.get('INVOCATION_ID'):
+        return ('stop_with_parent: started by a service manager or as a container\'s first '
+                'process: no parent to watch', LoggingSeverity.INFO)
+    return ('stop_with_parent: this node was orphaned before it started (its parent is init, '
+            'pid 1: the process that started it, e.g. a shell running `policy_node &`, has '
+            'exited): nothing stops it with that process; stop it with SIGINT or SIGTERM',
+            LoggingSeverity.WARN)
+
+
 NOHUP_NOTE = ('stop_with_parent: not watching the process that started this node: it was '
               'started with SIGHUP ignored (nohup), which asks to outlive it; stop the node '
               'with SIGINT (Ctrl-C) or SIGTERM')
@@ -181,18 +196,20 @@ class ParentWatch:
             raise
 
     def _fire(self, why: str) -> None:
-        """The stop first, then the log line: the console may be unwritable by then (the pty
-        of a `ros2 launch` that exited, emulate_tty: OSError EIO), and the stop must not wait
-        on it. The line goes through the ROS logger, so that it also lands in the node's log
-        file under ~/.ros/log (where an operator looks once the launch and its console are
-        gone); the plain console line only where that logger fails."""
+        """The log line, then the stop, which runs whatever the line does: the console may be
+        unwritable by then (the pty of a `ros2 launch` that exited, emulate_tty: OSError EIO).
+        The line goes through the ROS logger while the context is up (before the stop shuts it
+        down: after, /rosout refuses it), so that it also lands in the node's log file under
+        ~/.ros/log, where an operator looks once the launch and its console are gone; the
+        plain console line only where that logger fails."""
         self.fired = True
-        self._kill()
         message = f'{why}: stopping; stop_with_parent: false keeps running'
         try:
             rclpy.logging.get_logger(self._name).error(message)
         except Exception:  # noqa: BLE001 - the line is what is lost, never the stop
-            print_log(self._name, 'ERROR', message)
+            print_log(self._name, 'ERROR', message)       # never raises
+        finally:
+            self._kill()
 
     def stop(self) -> None:
         self._stop.set()
@@ -291,7 +308,7 @@ def main(args=None) -> int:
         print(USAGE)
         return EXIT_OK
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    parent = os.getppid()
+    from molmobot_policy.ros import START_PARENT as parent   # read before the slow imports
     nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN     # as nohup starts a process
     problem = ros_domain_id_problem(os.environ)
     if problem:
@@ -314,7 +331,9 @@ def main(args=None) -> int:
         if node.get_parameter('stop_with_parent').value:
             if nohup:
                 node.get_logger().warning(NOHUP_NOTE)     # outlives its parent: not OK
-            else:
+            elif parent <= 1:
+                node.get_logger().log(*orphan_note(parent, os.environ))
+            else:   # a parent that exited during start-up is seen at the first check
                 watch = ParentWatch(node.get_name()).start(parent)
         try:
             with package_logs_to(node):
