@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from molmobot_policy.ros.param_files import section_applies, unmatched_parameter_files
+from molmobot_policy.ros.param_files import (near_miss_sections, section_applies,
+                                             unmatched_parameter_files)
 
 ROOT, NAMESPACED = '/molmobot_policy', '/robot1/molmobot_policy'
 
@@ -58,6 +59,26 @@ def test_typo_is_suggested(tmp_path):
     argv = _file(tmp_path, 'molmobot_polcy:\n  ros__parameters:\n    x: 1\n')
     [error] = unmatched_parameter_files(argv, ROOT)
     assert "did you mean 'molmobot_policy' for 'molmobot_polcy'" in error
+
+
+def test_a_misspelled_second_section_is_warned_about_naming_its_parameters(tmp_path):
+    # a fresh-user trial: motion limits in a second, misspelled section were ignored silently
+    argv = _file(tmp_path, 'molmobot_policy:\n  ros__parameters:\n    x: 1\n'
+                           '/**/molmobot_polcy:\n  ros__parameters:\n'
+                           '    max_joint_velocity: [0.2]\n    joint_position_max: [0.5]\n')
+    assert unmatched_parameter_files(argv, ROOT) == []         # one section applies
+    [warning] = near_miss_sections(argv, ROOT)
+    assert "section '/**/molmobot_polcy' does not apply" in warning
+    assert "did you mean 'molmobot_policy'" in warning
+    assert "['joint_position_max', 'max_joint_velocity'] are NOT applied" in warning
+
+
+def test_other_nodes_and_other_robots_sections_are_not_warned_about(tmp_path):
+    argv = _file(tmp_path, '/robot1/molmobot_policy:\n  ros__parameters:\n    x: 1\n'
+                           '/robot2/molmobot_policy:\n  ros__parameters:\n    x: 2\n'
+                           'arm_controller:\n  ros__parameters:\n    joints: [a]\n'
+                           '/**:\n  ros__parameters:\n    use_sim_time: false\n')
+    assert near_miss_sections(argv, NAMESPACED) == []
 
 
 def test_wildcard_sections_apply_everywhere(tmp_path):

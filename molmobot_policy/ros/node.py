@@ -38,7 +38,7 @@ from molmobot_policy.ros import messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver, shm_free
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
-from molmobot_policy.ros.param_files import unmatched_parameter_files
+from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
@@ -183,6 +183,8 @@ class PolicyNode(LifecycleNode):
             file_errors = unmatched_parameter_files(self._argv, self.get_fully_qualified_name())
             if file_errors:
                 raise ValueError('; '.join(file_errors))
+            for warning in near_miss_sections(self._argv, self.get_fully_qualified_name()):
+                self.get_logger().warning(warning)
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)

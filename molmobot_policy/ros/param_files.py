@@ -3,7 +3,9 @@
 ROS applies a parameter file section only to the node it names; a section that names another
 node (a typo, or a plain `molmobot_policy:` while the node runs under a namespace) is ignored
 without a word, and the node would run on its defaults (random weights, no motion limits).
-The node therefore refuses a parameter file none of whose sections applies to it.
+The node therefore refuses a parameter file none of whose sections applies to it, and warns
+about a section that does not apply but names a node almost like this one (`near_miss_sections`:
+a typo in a second section, whose limits would otherwise be ignored as silently).
 
 Matching (rcl_yaml_param_parser and rclpy, checked with rclpy 9.1 / Kilted): a section name
 without a leading '/' gets one ('molmobot_policy' -> '/molmobot_policy', which matches only
@@ -74,3 +76,32 @@ def unmatched_parameter_files(argv: list[str], node_fqn: str) -> list[str]:
                       f'sections: {sections}; expected {node_fqn}: or /**:{hint}): none of '
                       'its parameters would apply')
     return errors
+
+
+def near_miss_sections(argv: list[str], node_fqn: str) -> list[str]:
+    """One warning per section of a `--params-file` in `argv` that does not apply to
+    `node_fqn` but whose node name is close to this node's (difflib ratio >= 0.8, not equal:
+    `molmobot_polcy` for `molmobot_policy`), naming the parameters it holds, which are not
+    applied. Sections of other namespaces with this node's exact name are not warned about (a
+    file for several robots). Files that cannot be read or parsed are left to ROS."""
+    node_name = node_fqn.rstrip('/').split('/')[-1]
+    warnings = []
+    for path in params_file_paths(argv):
+        try:
+            with open(path) as f:
+                content = yaml.safe_load(f) or {}
+            sections = {str(k): v for k, v in content.items()}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        for section, body in sections.items():
+            name = section.rstrip('/').split('/')[-1]
+            if section_applies(section, node_fqn) or name == node_name or name in ('*', '**'):
+                continue
+            if difflib.SequenceMatcher(None, name, node_name).ratio() < 0.8:
+                continue
+            params = body.get('ros__parameters', {}) if isinstance(body, dict) else {}
+            held = sorted(params) if isinstance(params, dict) else []
+            warnings.append(f"parameter file {path}: section '{section}' does not apply to "
+                            f"node '{node_fqn}' (did you mean '{node_name}'?): its parameters "
+                            f'{held} are NOT applied')
+    return warnings
