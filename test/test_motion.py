@@ -83,6 +83,18 @@ def test_arm_outside_position_limits_is_ramped_back_not_stepped():
     out = limiter.limit(_times(5), np.full((5, 1), 0.0), measured=np.array([1.5]),
                         publish_time=10.0)
     np.testing.assert_allclose(out.positions[:, 0], [1.5, 1.4, 1.3, 1.2, 1.1])
+    assert out.outside_limits == (0,)            # named, for the node's warning
+
+
+def test_only_joints_measured_outside_their_limits_are_reported_outside():
+    limiter = MotionLimiter(max_velocity=1.0, position_min=[-1.0, -1.0, -1.0],
+                            position_max=[1.0, 1.0, 1.0])
+    out = limiter.limit(_times(2), np.zeros((2, 3)), measured=np.array([0.5, -1.2, np.nan]),
+                        publish_time=10.0)
+    assert out.outside_limits == (1,)            # in range, below min, not measured
+    assert MotionLimiter(max_velocity=1.0).limit(
+        _times(2), np.zeros((2, 1)), measured=np.array([9.0]), publish_time=10.0
+    ).outside_limits == ()                        # no limits: nothing is outside
 
 
 def test_empty_chunk_passes_through():

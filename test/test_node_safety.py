@@ -427,6 +427,15 @@ def test_a_camera_with_an_unsupported_encoding_goes_error_after_max_image_age(gr
     assert 'yuv422' in g.status('output').message
 
 
+def test_an_arm_measured_outside_its_position_limits_is_named_in_a_warning(graph):
+    g = graph('safety_outside', allow_random_weights=True, joint_position_max=[0.1])
+    g.positions[JOINTS[2]] = 0.5              # beyond joint_position_max
+    g.start()
+    assert g.wait_for(lambda: 'measured outside' in g.log.text('warning')), g.log.text()
+    assert f"['{JOINTS[2]}']" in g.log.text('warning')
+    assert g.wait_for(lambda: g.trajectories)  # ramped back in, not refused
+
+
 def test_a_camera_sending_tiny_frames_is_refused_naming_min_image_size(graph):
     g = graph('safety_tiny', allow_random_weights=True, output_error_periods=2)
     g.sizes[g.cameras[0]] = (2, 2)            # a failing driver's frames

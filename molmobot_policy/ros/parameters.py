@@ -129,8 +129,10 @@ PARAMETERS = {
         "above what the demo's arm moves", _DA, dynamic=True)),
     'joint_position_min': ([], descriptor(
         'per action joint lower position limit, robot units (rad); every published point is '
-        'clipped to it and clipping is counted on /diagnostics; empty: none, one value: all '
-        'joints, -.inf: none for that joint', _DA, dynamic=True)),
+        'clipped to it and clipping is counted on /diagnostics, except while a joint measured '
+        'outside the limits is ramped back in at max_joint_velocity (no step into the range; '
+        'WARN naming it); empty: none, one value: all joints, -.inf: none for that joint',
+        _DA, dynamic=True)),
     'joint_position_max': ([], descriptor(
         'per action joint upper position limit, as joint_position_min', _DA, dynamic=True)),
     'model': ('tiny', descriptor('model preset, used when checkpoint_path is empty', _S)),

@@ -85,6 +85,15 @@ class LoopReport(LoopEvents):
                    f'{messages.format_action(report.positions[0])}{limited}')
         if not self._printed('INFO', message):
             self._log().info(message)
+        if report.outside_limits:
+            names = list(self._node.get_parameter('action_joint_names').value)
+            joints = [names[j] if j < len(names) else j for j in report.outside_limits]
+            warning = (f'chunk {report.count}: action joints {joints} are measured outside '
+                       'joint_position_min / joint_position_max: their points ramp back in at '
+                       'max_joint_velocity and stay outside the limits until they are in (no '
+                       'step into the range)')
+            if not self._printed('WARN', warning):
+                self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
 
 
 def print_log(name: str, severity: str, message: str) -> None:

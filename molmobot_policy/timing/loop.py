@@ -502,8 +502,10 @@ class PolicyLoop:
         stats = self.stats
         limited = clipped = 0
         offset = float('nan')
+        outside = ()
         if limits is not None:
             limited, clipped = limits.velocity_limited, limits.position_clipped
+            outside = limits.outside_limits
             anchored = limits.start_offset[np.isfinite(limits.start_offset)]
             offset = float(anchored.max()) if anchored.size else offset
             stats.velocity_limited += limited
@@ -524,4 +526,4 @@ class PolicyLoop:
             inference_ms=chunk.inference_ms, publish_jitter_ms=jitter_ms,
             positions=stitched.positions, dropped=stitched.dropped,
             count=stats.chunks_published, delay=delay, velocity_limited=limited,
-            position_clipped=clipped, start_offset=offset))
+            position_clipped=clipped, start_offset=offset, outside_limits=outside))

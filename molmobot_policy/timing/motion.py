@@ -43,12 +43,15 @@ class LimitedPoints:
         position_clipped: number of (point, joint) values moved by the position limits.
         start_offset: float64 (A,), |p_0 - measured| of the INPUT's first point per joint
             (nan where not measured): how far the plan began from the arm.
+        outside_limits: indices of the joints MEASURED outside their position limits: their
+            points are ramped back in at the velocity limit, outside the limits until then.
     """
 
     positions: np.ndarray
     velocity_limited: int
     position_clipped: int
     start_offset: np.ndarray
+    outside_limits: tuple[int, ...] = ()
 
 
 def _per_joint(name: str, value: Limit) -> Optional[np.ndarray]:
@@ -157,4 +160,11 @@ class MotionLimiter:
             positions[k] = np.clip(positions[k], lo, hi)
             reference = positions[k]
         velocity_limited = int(np.count_nonzero(positions != clipped))
-        return LimitedPoints(positions, velocity_limited, position_clipped, offset)
+        outside = np.zeros(joints, dtype=bool)
+        with np.errstate(invalid='ignore'):                      # nan: not measured
+            if self.position_min is not None:
+                outside |= measured < self.position_min
+            if self.position_max is not None:
+                outside |= measured > self.position_max
+        return LimitedPoints(positions, velocity_limited, position_clipped, offset,
+                             tuple(int(j) for j in np.flatnonzero(outside)))

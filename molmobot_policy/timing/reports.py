@@ -75,6 +75,8 @@ class ChunkReport:
         velocity_limited, position_clipped: (point, joint) values the `MotionLimiter` moved.
         start_offset: the largest |planned first point - measured position| over the
             anchored joints, robot units (nan: none anchored, or no limiter).
+        outside_limits: indices of the action joints measured outside their position limits
+            (`timing.motion.LimitedPoints`).
     """
 
     tick: int
@@ -90,6 +92,7 @@ class ChunkReport:
     velocity_limited: int = 0
     position_clipped: int = 0
     start_offset: float = float('nan')
+    outside_limits: tuple[int, ...] = ()
 
 
 class LoopEvents:
