@@ -177,3 +177,12 @@ def test_commit_makes_the_published_points_the_reference_of_the_next_chunk():
     assert second.positions[0, 0] == pytest.approx(0.5)      # 0.2 + max_step, not 1.0
     with pytest.raises(ValueError, match='last stitched chunk'):
         stitcher.commit(published)                           # not the last one any more
+
+
+def test_chunk_gap_warns_when_a_chunk_ends_before_the_next_arrives():
+    from molmobot_policy.timing.chunking import chunk_gap
+    # a fresh-user trial: 16 x 0.05 s of actions, a chunk every 1.5 s: stop and go, all OK
+    message = chunk_gap(16, 0.05, 1.5, 0.1)
+    assert 'stands still ~0.80 s between chunks' in message and 'control_period' in message
+    assert chunk_gap(16, 0.1, 1.0, 0.3) == ''      # 1.6 s - 0.3 s lead covers 1.0 s
+    assert chunk_gap(0, 0.1, 1.0, 0.3) == ''       # horizon unknown (a stand-in engine)

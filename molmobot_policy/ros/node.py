@@ -52,6 +52,7 @@ from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (pu
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer
 from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, QuietWindow,
                                     freeze_heap, latency_estimator, unfreeze_heap)
+from molmobot_policy.timing.chunking import chunk_gap
 from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
@@ -229,6 +230,11 @@ class PolicyNode(LifecycleNode):
                 'in joint_names; they are anchored only while '
                 f"{self._param('joint_state_topic')} carries them, else their points come from "
                 'the plan alone and a chunk may start far from the arm')
+        gap = chunk_gap(getattr(getattr(self.engine, 'model_config', None), 'action_horizon',
+                                0), self._param('control_period'), self._param('chunk_period'),
+                        self._latency.lead())
+        if gap:
+            self.get_logger().warning(gap)
         if not self._param('instruction').strip():
             self.get_logger().warning("parameter 'instruction' is empty: the engine refuses "
                                       'observations without one; set it (it may change at '

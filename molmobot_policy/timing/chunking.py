@@ -214,3 +214,20 @@ class ChunkStitcher:
                 limited[k] = np.clip(limited[k], reference - self.max_step,
                                      reference + self.max_step)
         return limited
+
+
+def chunk_gap(horizon: int, control_period: float, chunk_period: float, lead: float) -> str:
+    """'' when a chunk's actions last until the next chunk arrives, else a warning: each
+    chunk holds `horizon` actions `control_period` s apart, of which those due before its
+    publish (about `lead` s of them) are dropped, and the next comes `chunk_period` s later; a
+    shorter span leaves the arm still between chunks (stop and go). s throughout."""
+    if horizon <= 0:
+        return ''
+    span = horizon * control_period - lead
+    if span >= chunk_period:
+        return ''
+    return (f'each chunk moves the arm for ~{span:.2f} s ({horizon} actions x control_period '
+            f'{control_period:g} s, less the ~{lead:.2f} s lead dropped at publish) but chunks '
+            f'come every chunk_period {chunk_period:g} s: the arm stands still ~'
+            f'{chunk_period - span:.2f} s between chunks (stop and go); make {horizon} x '
+            'control_period >= chunk_period + the lead')
