@@ -139,6 +139,8 @@ def test_late_start_up_chunks_warn_naming_them_and_are_not_rated_but_stay_in_the
     level, message, values = _run(task)
     assert (level, message) == (OK, 'ok')
     assert float(values['publish_jitter_max_ms']) == 96.8 and values['startup_chunks'] == '2'
+    # the figure the level is set by, beside the values that include the start-up chunks
+    assert (values['rated_publish_jitter_max_ms'], values['rated_chunks']) == ('1.00', '20')
 
 
 def test_a_late_chunk_after_the_start_up_chunks_is_rated_without_them():

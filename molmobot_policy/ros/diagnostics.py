@@ -290,7 +290,10 @@ class ScheduleTask(DiagnosticTask):
                                "any of this activation's inference times; not rated)")
         else:
             stat.summary(OK, 'ok')
-        add_summary_ms(stat, 'publish_jitter', jitter)
+        add_summary_ms(stat, 'publish_jitter', jitter)       # every chunk, start-up included
+        stat.add('rated_publish_jitter_max_ms',                # what the level is set by
+                 'nan' if math.isnan(worst) else f'{worst:.2f}')
+        stat.add('rated_chunks', rated)
         stat.add('startup_chunks', startup['total'])
         stat.add('startup_publish_jitter_max_ms',
                  'nan' if math.isnan(startup['max']) else f"{startup['max']:.2f}")
