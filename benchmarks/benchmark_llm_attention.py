@@ -108,11 +108,7 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(1, length, h, hd, device=dev, generator=gen).mul(2).to(dt)
                .transpose(1, 2) for h in (hq, hk, hk))
-    group = hq // hk
-    scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)
-    scores = scores / math.sqrt(hd) + torch.where(allowed, 0.0, float('-inf'))
-    ref = (torch.softmax(scores, -1) @ v.float().repeat_interleave(group, 1)).transpose(1, 2)
-    del scores
+    ref = la.masked_reference(q, k, v, allowed)
     scale = 1.0 / math.sqrt(hd)
 
     rows = []

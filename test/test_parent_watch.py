@@ -100,6 +100,14 @@ def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
     return int(out.split()[0]), log
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL `pid` if it still runs (a test's cleanup)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _wait_exit(pid: int, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -134,10 +142,7 @@ def test_an_orphaned_node_stops_and_says_why(tmp_path):
         assert 'the process that started this node' in text and 'has exited' in text
         assert 'shutting down after 0 chunks' in text
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(pid)
 
 
 def test_a_node_orphaned_before_it_starts_says_so_at_warn(tmp_path):
@@ -149,10 +154,7 @@ def test_a_node_orphaned_before_it_starts_says_so_at_warn(tmp_path):
         text = log.read_text()
         assert '[WARN]' in text and 'this node was orphaned before it started' in text, text
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(pid)
 
 
 def test_orphan_note_is_info_under_systemd_and_in_a_container():
@@ -172,10 +174,7 @@ def test_the_stop_reason_is_logged_before_shutting_down(tmp_path):
         assert text.index('has exited') < text.index('shutting down'), text
         assert 'Failed to publish log message to rosout' not in text, text
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(pid)
 
 
 def test_an_orphaned_node_stops_when_its_terminal_is_gone(tmp_path):
@@ -186,10 +185,7 @@ def test_an_orphaned_node_stops_when_its_terminal_is_gone(tmp_path):
         assert 'autostart is off' in log.read_text()
         assert _wait_exit(pid, 30.0), 'the node outlived its parent and its terminal'
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill(pid)
 
 
 def test_stop_with_parent_false_keeps_an_orphaned_node_running(tmp_path):

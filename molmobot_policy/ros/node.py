@@ -230,9 +230,8 @@ class PolicyNode(LifecycleNode):
                 'in joint_names; they are anchored only while '
                 f"{self._param('joint_state_topic')} carries them, else their points come from "
                 'the plan alone and a chunk may start far from the arm')
-        gap = chunk_gap(getattr(getattr(self.engine, 'model_config', None), 'action_horizon',
-                                0), self._param('control_period'), self._param('chunk_period'),
-                        self._latency.lead())
+        gap = chunk_gap(self.engine.model_config.action_horizon, self._param('control_period'),
+                        self._param('chunk_period'), self._latency.lead())
         if gap:
             self.get_logger().warning(gap)
         if not self._param('instruction').strip():

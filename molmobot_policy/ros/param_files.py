@@ -48,6 +48,23 @@ def params_file_paths(argv: list[str]) -> list[str]:
     return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == '--params-file']
 
 
+def _parsed_files(argv: list[str]):
+    """(path, {section name: its body}) for each `--params-file` in `argv` that can be read
+    and parsed; the others are left to ROS to report."""
+    for path in params_file_paths(argv):
+        try:
+            with open(path) as f:
+                content = yaml.safe_load(f) or {}
+            yield path, {str(k): v for k, v in content.items()}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+
+
+def _node_name(section: str) -> str:
+    """The last token of a section or node name ('/robot1/molmobot_policy' -> its node)."""
+    return section.rstrip('/').split('/')[-1]
+
+
 def unmatched_parameter_files(argv: list[str], node_fqn: str) -> list[str]:
     """One error message per `--params-file` in `argv` with no section for `node_fqn`.
 
@@ -55,17 +72,13 @@ def unmatched_parameter_files(argv: list[str], node_fqn: str) -> list[str]:
     fully qualified name, or '/**') and, where one is close, the likely typo. Files that
     cannot be read or parsed are left to ROS to report.
     """
-    node_name = node_fqn.rstrip('/').split('/')[-1]
+    node_name = _node_name(node_fqn)
     errors = []
-    for path in params_file_paths(argv):
-        try:
-            with open(path) as f:
-                sections = [str(k) for k in (yaml.safe_load(f) or {}).keys()]
-        except (OSError, yaml.YAMLError, AttributeError):
-            continue
+    for path, content in _parsed_files(argv):
+        sections = list(content)
         if any(section_applies(s, node_fqn) for s in sections):
             continue
-        names = [s.rstrip('/').split('/')[-1] for s in sections]
+        names = [_node_name(s) for s in sections]
         close = difflib.get_close_matches(node_name, names, n=1)
         hint = ''
         if node_name in names:
@@ -84,17 +97,11 @@ def near_miss_sections(argv: list[str], node_fqn: str) -> list[str]:
     `molmobot_polcy` for `molmobot_policy`), naming the parameters it holds, which are not
     applied. Sections of other namespaces with this node's exact name are not warned about (a
     file for several robots). Files that cannot be read or parsed are left to ROS."""
-    node_name = node_fqn.rstrip('/').split('/')[-1]
+    node_name = _node_name(node_fqn)
     warnings = []
-    for path in params_file_paths(argv):
-        try:
-            with open(path) as f:
-                content = yaml.safe_load(f) or {}
-            sections = {str(k): v for k, v in content.items()}
-        except (OSError, yaml.YAMLError, AttributeError):
-            continue
-        for section, body in sections.items():
-            name = section.rstrip('/').split('/')[-1]
+    for path, content in _parsed_files(argv):
+        for section, body in content.items():
+            name = _node_name(section)
             if section_applies(section, node_fqn) or name == node_name or name in ('*', '**'):
                 continue
             if difflib.SequenceMatcher(None, name, node_name).ratio() < 0.8:

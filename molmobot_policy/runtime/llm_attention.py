@@ -76,6 +76,17 @@ def unavailable_reason(cfg, device: torch.device, dtype: torch.dtype) -> str:
     return ''
 
 
+def masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     allowed: torch.Tensor) -> torch.Tensor:
+    """float32 attention (B, L, Hq, D) of q (B, Hq, L, D) over k, v (B, Hkv, L, D) (query
+    head h reads KV head h // (Hq / Hkv)) under the boolean mask `allowed` (B, 1, L, L), scale
+    1 / sqrt(D): what `self_check` and benchmarks/benchmark_llm_attention.py compare with."""
+    group = q.shape[1] // k.shape[1]
+    scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)
+    scores = scores / math.sqrt(q.shape[-1]) + torch.where(allowed, 0.0, float('-inf'))
+    return (torch.softmax(scores, -1) @ v.float().repeat_interleave(group, 1)).transpose(1, 2)
+
+
 def self_check(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -> str:
     """'' when `image_run_attention` matches float32 attention under the boolean mask on a
     small prompt-shaped input (the model's head counts, a few image runs, labels, text and
@@ -98,10 +109,7 @@ def self_check(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0) -> 
     hq, hk, hd = llm.n_heads, llm.n_kv_heads, llm.head_dim
     q, k, v = (torch.randn(1, length, h, hd, device=device, generator=gen).mul(2)
                .to(dtype).transpose(1, 2) for h in (hq, hk, hk))
-    group = hq // hk
-    scores = (q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2))
-    scores = scores / math.sqrt(hd) + torch.where(allowed, 0.0, float('-inf'))
-    ref = (torch.softmax(scores, -1) @ v.float().repeat_interleave(group, 1)).transpose(1, 2)
+    ref = masked_reference(q, k, v, allowed)
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
     bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
     try:
