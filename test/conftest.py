@@ -50,7 +50,7 @@ class NodeProcess:
                  '--params-file', str(self.params_file)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                 # as a shell script's background job starts it: Python then raises no
-                # KeyboardInterrupt on SIGINT, only rclpy's handler acts
+                # KeyboardInterrupt on SIGINT unless the node installs its own handler
                 preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
                 if sigint_ignored else None)
 

@@ -242,50 +242,73 @@ def test_an_empty_topic_or_joint_list_is_refused():
     assert (info.value.name, info.value.value) == ('joint_names', [])
 
 
-def test_the_first_sigint_raises_nothing_and_the_second_interrupts():
-    """rclpy's handler shuts the context down on every SIGINT; Python's handler raises
-    KeyboardInterrupt only from the second on (main then exits 130)."""
-    from molmobot_policy.ros.main import GracefulSigint
+def test_the_first_sigint_requests_the_stop_and_the_second_interrupts():
+    """The first SIGINT sets the stop request and raises nothing (the main thread stops at its
+    next check, then shuts the context down); a later one raises KeyboardInterrupt (main then
+    exits 130)."""
+    import signal
+
+    from molmobot_policy.ros.main import StopSignals
 
     clock = [100.0]
-    handler = GracefulSigint(clock=lambda: clock[0])
-    handler(2, None)
-    assert not handler.forced
+    handler = StopSignals(clock=lambda: clock[0])
+    assert not handler.requested.is_set()
+    handler(signal.SIGINT, None)
+    assert handler.requested.is_set() and not handler.forced
     clock[0] += 1.5
     with pytest.raises(KeyboardInterrupt):
-        handler(2, None)
+        handler(signal.SIGINT, None)
     assert handler.forced
 
 
 def test_a_second_sigint_right_after_the_first_is_the_same_stop_request():
     """A process-group SIGINT and `ros2 launch` forwarding its own arrive within ms: no
-    KeyboardInterrupt inside rclpy's shutdown (it aborted the process 2 of 9 times)."""
-    from molmobot_policy.ros.main import GracefulSigint
+    KeyboardInterrupt inside the shutdown (it aborted the process 2 of 9 times)."""
+    import signal
+
+    from molmobot_policy.ros.main import StopSignals
 
     clock = [100.0]
-    handler = GracefulSigint(clock=lambda: clock[0])
-    handler(2, None)
+    handler = StopSignals(clock=lambda: clock[0])
+    handler(signal.SIGINT, None)
     clock[0] += 0.05
-    handler(2, None)                 # raises nothing
+    handler(signal.SIGINT, None)                 # raises nothing
     assert not handler.forced
 
 
-def test_sigint_handling_is_installed_only_over_pythons_default():
+def test_sigterm_requests_the_stop_and_never_interrupts():
     import signal
 
-    from molmobot_policy.ros.main import GracefulSigint
+    from molmobot_policy.ros.main import StopSignals
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)      # a shell's background job
+    clock = [100.0]
+    handler = StopSignals(clock=lambda: clock[0])
+    handler(signal.SIGTERM, None)
+    assert handler.requested.is_set()
+    clock[0] += 5.0
+    handler(signal.SIGTERM, None)                # raises nothing: launch escalates to SIGKILL
+    assert not handler.forced
+
+
+def test_stop_signals_replace_sigint_and_sigterm_handlers_and_restore_them():
+    """Installed over SIG_IGN too (a shell's background job: `ros2 launch` still stops the
+    node with SIGINT), restored on uninstall."""
+    import signal
+
+    from molmobot_policy.ros.main import StopSignals
+
+    previous = (signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.getsignal(signal.SIGTERM))
     try:
-        GracefulSigint().install()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        handler = GracefulSigint().install()
+        handler = StopSignals().install()
         assert signal.getsignal(signal.SIGINT) is handler
+        assert signal.getsignal(signal.SIGTERM) is handler
         handler.uninstall()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is previous[1]
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
 
 
 # ------------------------------------------------------------------ safety parameters

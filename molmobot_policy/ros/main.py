@@ -7,13 +7,16 @@ Runs `PolicyNode` on a `QuietExecutor` (rclpy's SingleThreadedExecutor whose cal
 out the worker's publish window); with `autostart` (default) it configures
 and activates the node itself, for users without lifecycle tooling.
 
-Signals: SIGINT (Ctrl-C) and SIGTERM are answered by rclpy's signal handler, which shuts the
-ROS context down; the node then stops at its next check (the executor's spin returns,
-configure stops between its steps and warm-up buckets) and the process exits 0. Python
-raises no KeyboardInterrupt for that first Ctrl-C (`GracefulSigint`), so no step is cut in
-the middle. A second Ctrl-C (more than GracefulSigint.REPEAT_S after the first) interrupts
-at once (KeyboardInterrupt, e.g. during a long checkpoint load or compile) and the process
-exits 130, the shell's status for SIGINT.
+Signals: SIGINT (Ctrl-C) and SIGTERM are a stop request (`StopSignals`, installed instead of
+rclpy's handlers): the main thread stops at its next check (the spin loop within
+SPIN_TIMEOUT_S, configure between its steps and warm-up buckets), stops the worker, destroys
+the node and only then shuts the ROS context down, so no thread logs to /rosout on a context
+already shut (rclpy's own handler shuts it from a thread of its own while the node still runs,
+which no check before a log line can exclude: 'Failed to publish log message to rosout').
+Python raises no KeyboardInterrupt for that first Ctrl-C, so no step is cut in the middle. A
+second Ctrl-C (more than StopSignals.REPEAT_S after the first) interrupts at once
+(KeyboardInterrupt, e.g. during a long checkpoint load or compile) and the process exits 130,
+the shell's status for SIGINT.
 
 Parent exit (`stop_with_parent`, default true): `ros2 launch` answers SIGTERM (what systemd
 and `docker stop` send) by exiting without stopping the processes it started, which would
@@ -42,6 +45,7 @@ from contextlib import contextmanager
 import rclpy
 from rclpy.executors import (ConditionReachedException, ExternalShutdownException,
                              ShutdownException, SingleThreadedExecutor, TimeoutException)
+from rclpy.signals import SignalHandlerOptions
 
 from molmobot_policy.ros.node import NODE_NAME, PolicyNode
 from molmobot_policy.ros.report import print_log
@@ -51,6 +55,8 @@ SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): t
                             # GIL-holding callback thread delays the worker's wake-up
 EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 PARENT_CHECK_S = 0.1        # ParentWatch's polling period
+SPIN_TIMEOUT_S = 0.1        # the spin loop's longest wait between stop-request checks: a
+                            # Python signal handler runs only once rcl's wait returns
 INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
 
 
@@ -86,53 +92,58 @@ class QuietExecutor(SingleThreadedExecutor):
         handler.result()
 
 
-class GracefulSigint:
-    """Python's SIGINT handler while the node runs: the first SIGINT raises nothing (rclpy's
-    handler, which calls this one after its own, has shut the context down: the node stops
-    at its next check); later ones raise KeyboardInterrupt, as Python's default does, except
-    one within REPEAT_S of the first: that is the same stop request delivered twice (a
-    supervisor's SIGINT to the process group, then `ros2 launch` forwarding its own), and an
-    interrupt then, inside rclpy's shutdown, could abort the process (exit 134).
+class StopSignals:
+    """Python's handler for SIGINT and SIGTERM while the node runs: the first sets `requested`
+    and raises nothing (the main thread stops at its next check, then shuts the context down
+    itself); a later SIGINT raises KeyboardInterrupt, as Python's default does, except one
+    within REPEAT_S of the first: that is the same stop request delivered twice (a
+    supervisor's SIGINT to the process group, then `ros2 launch` forwarding its own). A later
+    SIGTERM raises nothing (`ros2 launch` escalates with SIGKILL).
 
-    Installed only from the main thread over Python's default handler (not where SIGINT is
-    ignored, as in a shell's background job, or where an application set its own).
+    Installed from the main thread only (Python runs signal handlers there), over whatever
+    was set before, SIG_IGN included: a node started as a shell's background job (SIGINT
+    ignored) still stops when `ros2 launch` or a supervisor sends it SIGINT.
     """
 
     REPEAT_S = 1.0
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, clock=time.monotonic) -> None:
-        self.count = 0
-        self._previous = None
+        self.requested = threading.Event()
+        self.count = 0          # SIGINTs after the stop request, the same one repeated aside
+        self._previous: dict[int, object] = {}
         self._clock, self._first = clock, None
 
     def __call__(self, signum, frame) -> None:
         now = self._clock()
-        if self._first is not None and now - self._first < self.REPEAT_S:
-            return      # the same request again
-        self.count += 1
-        if self.count > 1:
+        if self.requested.is_set():
+            if now - self._first < self.REPEAT_S or signum != signal.SIGINT:
+                return      # the same request again, or SIGTERM again
+            self.count += 1
             raise KeyboardInterrupt
         self._first = now
-        print_log(NODE_NAME, 'INFO', 'SIGINT: stopping after the current step (Ctrl-C again '
-                                     'to interrupt at once)')
+        self.requested.set()
+        name = signal.Signals(signum).name
+        again = ' (Ctrl-C again to interrupt at once)' if signum == signal.SIGINT else ''
+        print_log(NODE_NAME, 'INFO', f'{name}: stopping after the current step{again}')
 
     @property
     def forced(self) -> bool:
         """True after a second SIGINT."""
-        return self.count > 1
+        return self.count > 0
 
-    def install(self) -> 'GracefulSigint':
-        """Before rclpy.init, so that rclpy's handler chains to this one. Returns self."""
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self)
+    def install(self) -> 'StopSignals':
+        """Before rclpy.init (which is then told to install no handler). Returns self."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self)
         return self
 
     def uninstall(self) -> None:
-        """Restore the previous handler (after rclpy's shutdown removed its own)."""
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        """Restore the handlers found at `install`."""
+        while self._previous:
+            signum, previous = self._previous.popitem()
+            signal.signal(signum, previous)
 
 
 def orphan_note(parent: int, environ) -> tuple[str, object]:
@@ -314,16 +325,17 @@ def main(args=None) -> int:
     if problem:
         print_log(NODE_NAME, 'FATAL', problem)
         return EXIT_FAILURE
-    sigint = GracefulSigint().install()
-    try:
-        rclpy.init(args=args)
+    stop = StopSignals().install()
+    try:    # no rclpy handler: it would shut the context down under the running node
+        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     except Exception as error:  # noqa: BLE001 - rclpy's RCLError, e.g. a params file that
-        sigint.uninstall()      # is not valid YAML
+        stop.uninstall()        # is not valid YAML
         print_log(NODE_NAME, 'FATAL', f'ROS 2 could not start: {error}'.rstrip())
         return EXIT_FAILURE
     try:
         try:    # the node checks the argument's parameter files at configure
-            node = PolicyNode(argv=list(sys.argv if args is None else args))
+            node = PolicyNode(argv=list(sys.argv if args is None else args),
+                              stop_requested=stop.requested)
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE
@@ -337,20 +349,30 @@ def main(args=None) -> int:
                 watch = ParentWatch(node.get_name()).start(parent)
         try:
             with package_logs_to(node):
-                return _serve(node, sigint)
+                return _serve(node, stop)
         finally:
             if watch is not None:
                 watch.stop()
     except KeyboardInterrupt:       # a second Ctrl-C while the node shuts down
         return EXIT_INTERRUPTED
     finally:
-        rclpy.try_shutdown()
-        sigint.uninstall()
+        rclpy.try_shutdown()     # after the node (and its worker) is gone: nothing logs late
+        stop.uninstall()
         freeze_for_exit()       # the process exits next: no collections over the heap
 
 
-def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
-    """Autostarts, spins; destroys the node in every case."""
+def _say(node: PolicyNode, message: str) -> None:
+    """An INFO line through the node's logger, or printed once the context is shut down
+    (/rosout cannot take it then)."""
+    if node.context.ok():
+        node.get_logger().info(message)
+    else:
+        print_log(node.get_name(), 'INFO', message)
+
+
+def _serve(node: PolicyNode, stop: StopSignals) -> int:
+    """Autostarts, spins until a stop request or the context's shutdown; destroys the node
+    (which stops the worker) in every case."""
     starting = False        # inside autostart's configure + activate
     try:
         # One thread for every callback: they only store messages (the worker thread runs
@@ -364,11 +386,12 @@ def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
             starting = True
             started = node.autostart()
             starting = False
-            if not started and rclpy.ok():
+            interrupted = stop.requested.is_set() or not node.context.ok()
+            if not started and not interrupted:
                 node.get_logger().fatal('autostart failed (see the error above); exiting')
                 return EXIT_FAILURE
-            if not started:     # SIGINT / SIGTERM while starting: the context is shut down
-                print_log(node.get_name(), 'INFO', INTERRUPTED_STARTING)
+            if not started:     # SIGINT / SIGTERM while starting
+                _say(node, INTERRUPTED_STARTING)
                 return EXIT_OK
         else:
             name = node.get_fully_qualified_name()
@@ -376,22 +399,19 @@ def _serve(node: PolicyNode, sigint: GracefulSigint) -> int:
                 f'autostart is off: waiting unconfigured for lifecycle transitions on '
                 f'{name}/change_state (e.g. `ros2 lifecycle set {name} configure`, then '
                 'activate)')
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException) as stop:
+        while node.context.ok() and not stop.requested.is_set():
+            executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
+    except (KeyboardInterrupt, ExternalShutdownException) as interrupt:
         if starting:
-            print_log(node.get_name(), 'INFO', INTERRUPTED_STARTING)
-        if isinstance(stop, KeyboardInterrupt) and sigint.forced:
+            _say(node, INTERRUPTED_STARTING)
+        if isinstance(interrupt, KeyboardInterrupt) and stop.forced:
             return EXIT_INTERRUPTED
     except Exception:   # noqa: BLE001
         if rclpy.ok():  # a real error; after Ctrl-C, calls on the shut-down context fail
             raise
     finally:
         chunks = node.chunks_published_total
-        message = f"shutting down after {chunks} chunk{'' if chunks == 1 else 's'}"
-        if rclpy.ok():
-            node.get_logger().info(message)
-        else:           # after Ctrl-C the context is gone: /rosout cannot take it
-            print_log(node.get_name(), 'INFO', message)
+        _say(node, f"shutting down after {chunks} chunk{'' if chunks == 1 else 's'}")
         node.destroy_node(exiting=True)
     return EXIT_OK
 

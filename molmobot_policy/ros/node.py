@@ -24,6 +24,7 @@ molmobot_policy.ros.node` runs).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 from diagnostic_msgs.msg import DiagnosticStatus
@@ -76,8 +77,10 @@ class PolicyNode(LifecycleNode):
     """
 
     def __init__(self, engine_factory=None, node_name: str = NODE_NAME, argv=None,
-                 **kwargs) -> None:
+                 stop_requested: threading.Event | None = None, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
+        # set by `ros.main.StopSignals` on SIGINT / SIGTERM: configure stops at its next step
+        self.stop_requested = stop_requested or threading.Event()
         self._engine_factory = engine_factory or default_engine_factory
         self._argv = list(argv or []) + list(kwargs.get('cli_args') or [])
         self.engine = None
@@ -251,18 +254,17 @@ class PolicyNode(LifecycleNode):
             self.get_logger().info(f'serving {self.served}')
 
     def _check_not_shut_down(self) -> None:
-        """Raises KeyboardInterrupt once rclpy's signal handler shut the context down (SIGINT,
-        SIGTERM; the signal itself raises none, `ros.main.GracefulSigint`): configure stops
-        between its steps and warm-up buckets, not after compiling every bucket."""
+        """Raises KeyboardInterrupt once a stop was requested (SIGINT, SIGTERM: the signal
+        itself raises none, `ros.main.StopSignals`) or the context was shut down: configure
+        stops between its steps and warm-up buckets, not after compiling every bucket."""
+        if self.stop_requested.is_set():
+            raise KeyboardInterrupt('a stop was requested while configuring')
         if not self.context.ok():
             raise KeyboardInterrupt('the ROS context was shut down while configuring')
 
     def _warmup_progress(self, message: str) -> None:
         self._check_not_shut_down()
         self._idle.step(message)
-        # again right before the log line: SIGINT may shut the context down meanwhile, and a
-        # line logged to /rosout then fails ('Failed to publish log message to rosout')
-        self._check_not_shut_down()
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
