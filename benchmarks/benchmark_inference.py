@@ -19,8 +19,6 @@ changes). Then the zero-recompile check: instructions of 1..200 words after warm
 
     python benchmarks/benchmark_inference.py --out benchmarks/out/inference.json   (H200: ~4 min)
     python benchmarks/benchmark_inference.py --rungs +fused_ae,+fp8 --iters 150 --period-ms 120
-    python benchmarks/benchmark_inference.py --rungs +fused_ae,+image_runs,+fp8,+image_runs_fp8 \
-        --iters 150 --period-ms 120           (the opt-in LLM attention, `llm_attention`)
     python benchmarks/benchmark_inference.py --preset tiny --device cpu --rungs eager,compile \
         --iters 5                                      (CPU: checks the script, ~1 min)
 
@@ -65,9 +63,7 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
         '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
-        '+image_runs': dict(opt, llm_attention='image_runs'),      # opt-in LLM attention
         '+fp8': dict(opt, quantize='fp8'),
-        '+image_runs_fp8': dict(opt, llm_attention='image_runs', quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 

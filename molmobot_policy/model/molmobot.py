@@ -70,8 +70,15 @@ class MolmoBot(nn.Module):
         """bool (B, 1, L, L) [query, key] visibility: causal OR (both query and key are image
         special tokens) when cfg.bi_directional_attn; padded keys (attention_mask False)
         are never visible. Golden README section 6."""
-        image_ids = self.image_special_ids if self.cfg.bi_directional_attn else None
-        return attention_allowed(input_ids, image_ids, attention_mask)
+        length = input_ids.shape[1]
+        allowed = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        allowed = allowed[None]
+        if self.cfg.bi_directional_attn:
+            is_image = (input_ids.unsqueeze(-1) == self.image_special_ids).any(-1)
+            allowed = allowed | (is_image[:, :, None] & is_image[:, None, :])
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, :]
+        return allowed.unsqueeze(1)
 
     def embed_inputs(self, input_ids: torch.Tensor, images: torch.Tensor,
                      token_pooling: torch.Tensor,
@@ -92,18 +99,14 @@ class MolmoBot(nn.Module):
     def llm_hidden_states(self, input_ids: torch.Tensor, images: torch.Tensor,
                           token_pooling: torch.Tensor, position_ids: torch.Tensor | None = None,
                           attention_mask: torch.Tensor | None = None,
-                          image_positions: torch.Tensor | None = None,
-                          llm_mask: Callable | None = None) -> torch.Tensor:
+                          image_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Output of every LLM block (before ln_f), (n_layers, B, L, d_model), param dtype.
 
         input_ids int64 (B, L); images uint8 (B, N, 729, 588); token_pooling int64
         (B, N*196, 4); position_ids int64 (B, L), default cumsum(attention_mask) - 1 clamped
         at 0 (arange(L) without a mask); attention_mask bool (B, L), False = padding;
         image_positions int64 (B, N*196), positions of the `<im_patch>` tokens (computed
-        from input_ids when None, eager only); llm_mask: optional
-        `llm_mask(input_ids, attention_mask, n_patch_tokens) -> mask object` for the LLM
-        blocks in place of the additive bias of `attention_allowed` (the served engine's form
-        of the same mask, `Llm.forward`). Raises ValueError on malformed inputs.
+        from input_ids when None, eager only). Raises ValueError on malformed inputs.
         """
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f'input_ids must be int64 (B, L), got {input_ids.dtype} '
@@ -119,9 +122,6 @@ class MolmoBot(nn.Module):
             else:
                 position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         x = self.embed_inputs(input_ids, images, token_pooling, image_positions)
-        if llm_mask is not None:
-            mask = llm_mask(input_ids, attention_mask, token_pooling.shape[1])
-            return self.transformer(x, position_ids, mask)
         allowed = self.attention_allowed(input_ids, attention_mask)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)
@@ -179,22 +179,6 @@ class MolmoBot(nn.Module):
             return ae.velocity(x, torch.full((b,), i / steps, dtype=torch.float32,
                                              device=x.device), ctx)
         return euler_flow(noise, velocity, steps)
-
-
-def attention_allowed(input_ids: torch.Tensor, image_ids: torch.Tensor | None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """bool (B, 1, L, L) [query, key] visibility of the LLM: causal, OR both tokens' ids in
-    `image_ids` (int64 (n,); None: causal only); keys where `attention_mask` (bool (B, L)) is
-    False are never visible. Golden README section 6."""
-    length = input_ids.shape[1]
-    allowed = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-    allowed = allowed[None]
-    if image_ids is not None:
-        is_image = (input_ids.unsqueeze(-1) == image_ids).any(-1)
-        allowed = allowed | (is_image[:, :, None] & is_image[:, None, :])
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, :]
-    return allowed.unsqueeze(1)
 
 
 def euler_flow(noise: torch.Tensor, velocity: Callable[[torch.Tensor, int], torch.Tensor],

@@ -186,11 +186,6 @@ PARAMETERS = {
                     "'on' / true / 'triton' (required: configure fails where it cannot "
                     "serve), 'cluster' (required likewise), 'off' / false",
         dynamic=True)),
-    'llm_attention': ('masked', descriptor(
-        "the LLM's masked attention: the additive (L, L) mask through SDPA, or (opt-in) one "
-        'unmasked cuDNN call with the mask in extra head dimensions plus a Triton kernel for '
-        'the non-image rows (CUDA, bfloat16 or float16; checked against the mask at start-up)',
-        _S, constraints="'masked' or 'image_runs'")),
     'buckets': ([], descriptor(
         'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
     'output_topic': ('~/joint_trajectory', descriptor(
@@ -232,7 +227,7 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'llm_attention', 'instruction')
+                     'fused_action_expert', 'instruction')
 CONTRACT_PARAMETERS = ('gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 
