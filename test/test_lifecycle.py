@@ -3,6 +3,7 @@ would (`/molmobot_policy/change_state`, `/molmobot_policy/get_state`), with auto
 instructions refused at run time; configure-time refusals (more cameras than max_images,
 buckets too small); the engine's log lines through the ROS logger and a clean Ctrl-C."""
 import re
+import signal
 import time
 
 import pytest
@@ -214,6 +215,46 @@ def test_ctrl_c_exit_makes_no_collection_over_the_model_heap(start_policy_node):
     assert probe, node.log()[-2000:]
     assert probe.group(1) == 'False' and int(probe.group(2)) > 0, probe.group(0)
     assert probe.group(3) == '0', probe.group(0)
+
+
+# The node's entry point with a probe of the order of the stop: whether the ROS context is
+# still up when destroy_node starts (it stops the worker first), and when it has returned.
+ORDER_PROBE = """
+import sys, threading
+from molmobot_policy.ros import node as node_module
+destroy = node_module.PolicyNode.destroy_node
+def probed(self, *args, **kwargs):
+    before = self.context.ok()
+    try:
+        return destroy(self, *args, **kwargs)
+    finally:
+        alive = any(t.name == 'policy_worker' for t in threading.enumerate())
+        print(f'ORDER PROBE context_ok_before={before} after={self.context.ok()} '
+              f'worker_alive={alive}', flush=True)
+node_module.PolicyNode.destroy_node = probed
+from molmobot_policy.ros.main import main
+sys.argv[0] = 'policy_node'
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM], ids=['sigint', 'sigterm'])
+def test_a_stop_signal_stops_the_worker_and_node_before_the_context(start_policy_node, signum):
+    """SIGINT / SIGTERM while active: the node is destroyed (its worker stopped) while the ROS
+    context is still up; the context is shut down after, so no line of the worker or the
+    node goes to a /rosout already shut (rclpy's own handler shut the context first, from a
+    thread of its own), and the process exits 0."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True), launcher=('-c', ORDER_PROBE))
+    assert node.wait_for_log('active:', 60.0), node.log()
+    node.process.send_signal(signum)
+    assert node.process.wait(30.0) == 0, node.log()[-2000:]
+    probe = re.search(r'ORDER PROBE context_ok_before=(\w+) after=(\w+) worker_alive=(\w+)',
+                      node.log())
+    assert probe, node.log()[-2000:]
+    assert probe.groups() == ('True', 'True', 'False'), probe.group(0)
+    assert f'{signal.Signals(signum).name}: stopping' in node.log(), node.log()[-2000:]
+    assert 'shutting down after' in node.log(), node.log()[-2000:]
+    assert 'Failed to publish log message to rosout' not in node.log(), node.log()[-2000:]
 
 
 @pytest.mark.parametrize('sigint_ignored', [False, True],
