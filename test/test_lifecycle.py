@@ -240,7 +240,8 @@ raise SystemExit(main())
 
 @pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM], ids=['sigint', 'sigterm'])
 def test_a_stop_signal_stops_the_worker_and_node_before_the_context(start_policy_node, signum):
-    """SIGINT / SIGTERM while active: the node is destroyed (its worker stopped) while the ROS
+    """SIGINT / SIGTERM while active: no chunk is sent after the signal; the node is
+    destroyed (its worker stopped) while the ROS
     context is still up; the context is shut down after, so no line of the worker or the
     node goes to a /rosout already shut (rclpy's own handler shut the context first, from a
     thread of its own), and the process exits 0."""
@@ -252,7 +253,10 @@ def test_a_stop_signal_stops_the_worker_and_node_before_the_context(start_policy
                       node.log())
     assert probe, node.log()[-2000:]
     assert probe.groups() == ('True', 'True', 'False'), probe.group(0)
-    assert f'{signal.Signals(signum).name}: stopping' in node.log(), node.log()[-2000:]
+    stopping = f'{signal.Signals(signum).name}: stopping'
+    assert stopping in node.log(), node.log()[-2000:]
+    after = node.log().split(stopping, 1)[1]
+    assert not re.search(r'\]: chunk \d+:', after), after[-2000:]     # nothing sent after
     assert 'shutting down after' in node.log(), node.log()[-2000:]
     assert 'Failed to publish log message to rosout' not in node.log(), node.log()[-2000:]
 

@@ -497,6 +497,26 @@ def test_stop_ends_and_joins_the_worker_thread():
     assert not any(t.name == 'test_worker' for t in threading.enumerate())
 
 
+def test_a_stop_request_during_inference_sends_nothing_more():
+    """A stop requested (SIGINT / SIGTERM) while a chunk is being inferred: that chunk is
+    never sent and the loop ends, before any `stop()` joins it."""
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    recorder = Recorder(event, chunks=10)
+    loops = []
+
+    def predict(observation):
+        if observation.seq == 2:
+            loops[0].request_stop()
+        return robot.predict(observation)
+    loops.append(make_loop(clock, event, robot, recorder, predict=predict))
+    loops[0].run()
+    assert len(robot.prepared) == 2        # the second chunk was built ...
+    assert len(robot.sent) == 1 and len(recorder.reports) == 1     # ... and never sent
+    assert event.is_set()
+
+
 # ------------------------------------------------------------------ safety (issue 17)
 def run_limited(chunks: int, measured, velocity: float, **kwargs):
     """`run` with a MotionLimiter; the arm is measured at `measured` (A,) when the loop asks,

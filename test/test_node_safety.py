@@ -427,6 +427,17 @@ def test_a_camera_with_an_unsupported_encoding_goes_error_after_max_image_age(gr
     assert 'yuv422' in g.status('output').message
 
 
+@pytest.mark.parametrize('limits', [{}, {'joint_position_max': [3.0]},
+                                    {'joint_position_min': [-3.0]}],
+                         ids=['none', 'max', 'min'])
+def test_configure_warns_when_no_joint_position_limit_is_set(graph, limits):
+    from molmobot_policy.ros.node import NO_POSITION_LIMITS
+    g = graph(f"safety_limits_{'_'.join(limits) or 'none'}", allow_random_weights=True,
+              **limits)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert (NO_POSITION_LIMITS in g.log.text('warning')) == (not limits), g.log.text()
+
+
 def test_an_arm_measured_outside_its_position_limits_is_named_in_a_warning(graph):
     g = graph('safety_outside', allow_random_weights=True, joint_position_max=[0.1])
     g.positions[JOINTS[2]] = 0.5              # beyond joint_position_max

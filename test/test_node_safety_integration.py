@@ -194,7 +194,7 @@ def test_a_plain_section_under_a_namespace_is_refused_at_configure(start_policy_
     log = node.log()
     assert node.process.returncode == 1, log
     assert f"has no section for node '{FQN}'" in log and "['molmobot_policy']" in log, log
-    assert f'expected {FQN}: or /**:' in log, log
+    assert f'expected {FQN}:, /**/molmobot_policy: or /**:' in log, log
 
 
 # ------------------------------------------------------------------ no /clock

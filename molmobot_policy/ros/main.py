@@ -110,6 +110,10 @@ class StopSignals:
 
     def __init__(self, clock=time.monotonic) -> None:
         self.requested = threading.Event()
+        # called once, on a thread of its own, at the first request (e.g. the node's
+        # `request_stop`: the worker then sends nothing more); on the main thread it could
+        # wait on a lock the interrupted code holds
+        self.on_request = None
         self.count = 0          # SIGINTs after the stop request, the same one repeated aside
         self._previous: dict[int, object] = {}
         self._clock, self._first = clock, None
@@ -123,8 +127,11 @@ class StopSignals:
             raise KeyboardInterrupt
         self._first = now
         self.requested.set()
+        if self.on_request is not None:
+            threading.Thread(target=self.on_request, name='stop-request', daemon=True).start()
         name = signal.Signals(signum).name
-        again = ' (Ctrl-C again to interrupt at once)' if signum == signal.SIGINT else ''
+        again = (f' (Ctrl-C again, {self.REPEAT_S:.0f} s or more from now, to interrupt at '
+                 'once)' if signum == signal.SIGINT else '')
         print_log(NODE_NAME, 'INFO', f'{name}: stopping after the current step{again}')
 
     @property
@@ -336,6 +343,7 @@ def main(args=None) -> int:
         try:    # the node checks the argument's parameter files at configure
             node = PolicyNode(argv=list(sys.argv if args is None else args),
                               stop_requested=stop.requested)
+            stop.on_request = node.request_stop
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE

@@ -59,6 +59,11 @@ from molmobot_policy.timing.reports import STATS_WINDOW
 NODE_NAME = 'molmobot_policy'
 
 
+NO_POSITION_LIMITS = ('joint_position_min and joint_position_max are empty: no joint position '
+                      'limit is applied to the published points (set them to the arm\'s limits, '
+                      'one value per action joint: docs/ROBOT.md "Safety")')
+
+
 class PolicyNode(LifecycleNode):
     """The MolmoBot policy as a ROS 2 lifecycle node (parameters: `ros.parameters.PARAMETERS`).
 
@@ -172,7 +177,9 @@ class PolicyNode(LifecycleNode):
             return self._configure()
 
     def _configuring(self, step: str) -> None:
-        """Log the configure step and show it on the 'output' status (OK 'configuring: ...')."""
+        """Log the configure step and show it on the 'output' status (OK 'configuring: ...');
+        raises KeyboardInterrupt instead once a stop was requested."""
+        self._check_not_shut_down()
         self._idle.step(step)
         self.get_logger().info(f'configuring: {step}')
 
@@ -194,6 +201,9 @@ class PolicyNode(LifecycleNode):
             check_parameter_values(self._param)
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             motion_limiter(self._param)     # ... on bad motion limits
+            if not len(self._param('joint_position_min')) and \
+                    not len(self._param('joint_position_max')):
+                self.get_logger().warning(NO_POSITION_LIMITS)
             # before the (possibly long) weight load: the checkpoint's config.yaml only
             contract = check_robot_contract(
                 read_model_config(engine_config), cameras, list(self._param('joint_names')),
@@ -253,6 +263,15 @@ class PolicyNode(LifecycleNode):
         else:
             self.get_logger().info(f'serving {self.served}')
 
+    def request_stop(self) -> None:
+        """A stop request (`ros.main.StopSignals`, from a thread of its own): configure and
+        activate stop at their next step, and the worker sends no chunk after this (one
+        being built is dropped); the main thread then destroys the node."""
+        self.stop_requested.set()
+        loop = self.loop
+        if loop is not None:
+            loop.request_stop()
+
     def _check_not_shut_down(self) -> None:
         """Raises KeyboardInterrupt once a stop was requested (SIGINT, SIGTERM: the signal
         itself raises none, `ros.main.StopSignals`) or the context was shut down: configure
@@ -268,6 +287,7 @@ class PolicyNode(LifecycleNode):
         self.get_logger().info(message)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._check_not_shut_down()     # a stop requested after configure: no worker
         self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         subscribed = camera_subscriptions(self._param)
@@ -333,6 +353,8 @@ class PolicyNode(LifecycleNode):
                                    f'{self._receiver.node_name}, shared memory '
                                    f'{self._receiver.segment})')
         self.loop.start()
+        if self.stop_requested.is_set():    # requested while this loop was being built
+            self.loop.request_stop()
         self.get_logger().info(
             f"active: {len(cameras)} cameras ({', '.join(t for t, _ in cameras)}), chunk every "
             f"{self._param('chunk_period')} s, actions every {self._param('control_period')} s, "

@@ -86,7 +86,8 @@ def unmatched_parameter_files(argv: list[str], node_fqn: str) -> list[str]:
         elif close:
             hint = f"; did you mean '{node_name}' for '{close[0]}'?"
         errors.append(f"parameter file {path} has no section for node '{node_fqn}' (its "
-                      f'sections: {sections}; expected {node_fqn}: or /**:{hint}): none of '
+                      f'sections: {sections}; expected {node_fqn}:, /**/{node_name}: or '
+                      f'/**:{hint}): none of '
                       'its parameters would apply')
     return errors
 

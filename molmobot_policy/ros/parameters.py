@@ -187,7 +187,8 @@ PARAMETERS = {
                     "serve), 'cluster' (required likewise), 'off' / false",
         dynamic=True)),
     'buckets': ([], descriptor(
-        'fixed prompt lengths (tokens) to pad to; empty: no padding', _IA, dynamic=True)),
+        "fixed prompt lengths (tokens) to pad to; empty ([] or 'none'): no padding", _IA,
+        dynamic=True)),
     'output_topic': ('~/joint_trajectory', descriptor(
         'trajectory_msgs/JointTrajectory output topic', _S)),
     'publish_float_array': (False, descriptor(

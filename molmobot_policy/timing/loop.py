@@ -289,6 +289,11 @@ class PolicyLoop:
         self._thread = threading.Thread(target=self.run, name=name, daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ends `run` at its next check without waiting for it: a chunk still being built
+        is never sent (its deadline wait returns at once). Safe from any thread."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Ends `run` at its next check (a wait returns at once) and joins its thread."""
         self._stop.set()
