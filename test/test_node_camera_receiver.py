@@ -110,18 +110,27 @@ def test_remapped_cameras_are_received_and_named_as_the_node_resolves_them(graph
     assert not any('cam0_in' in n or 'cam1_in' in n for n in names), names
 
 
-def test_a_receiver_process_that_dies_is_named_and_the_node_keeps_running(graph):
+def test_a_receiver_process_that_dies_is_named_restarted_and_chunks_resume(graph):
+    """SIGKILL to the receiver child: the node names the exit (the skip reason, /diagnostics),
+    keeps running, starts a new child on a new segment, and chunks of fresh frames resume;
+    the old segment is removed."""
     g = graph('camproc_dies')
     assert g.wait_for(lambda: len(g.infos) >= 1)
-    os.kill(g.receiver.pid, signal.SIGKILL)
+    old_pid, old_segment = g.receiver.pid, g.segment
+    os.kill(old_pid, signal.SIGKILL)
     reason = 'camera receiver process exited with code -9'
     assert g.wait_for(lambda: any(reason in m for m in g.messages))
+    assert g.wait_for(lambda: g.receiver.pid not in (None, old_pid) and g.receiver.restarts == 1)
+    assert not os.path.exists(old_segment)
     with g.lock:
-        seen = len(g.messages)
-    assert g.wait_for(lambda: len(g.messages) > seen)      # /diagnostics still comes
+        chunks = len(g.infos)
+    assert g.wait_for(lambda: len(g.infos) >= chunks + 2)      # chunks resume
+    with g.lock:
+        latest = g.infos[-1]
+    assert latest[ChunkInfo.FRAMES_DECODED] == str(len(CAMERAS))   # from the new child
     assert g.policy.loop._thread.is_alive()
-    # the 'inference' status's receiver entry says so too, not only its old pid
-    assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v and reason in v
+    # the 'inference' status's receiver entry names the new child and the restart
+    assert g.wait_for(lambda: any(f'pid {g.receiver.pid}' in v and 'restarted 1 times' in v
                                   for v in g.values))
 
 

@@ -113,7 +113,9 @@ class CameraReceiver:
         self._process = None
         self._stop = None
         self._seen = [0] * len(self._cameras)     # the last message count read per camera
-        self._lock = threading.Lock()             # poll: worker and diagnostics threads
+        # poll, restart: worker and diagnostics threads (reentrant: restart calls stop)
+        self._lock = threading.RLock()
+        self.restarts = 0
 
     @property
     def segment(self) -> str | None:
@@ -140,6 +142,15 @@ class CameraReceiver:
             self._slots.unlink()
             self._slots = None
             raise
+
+    def restart(self) -> None:
+        """A new child and segment in place of an exited child (`stop`, then `start`);
+        `poll` waits meanwhile and then reads the new segment from its first frame."""
+        with self._lock:
+            self.stop()
+            self._seen = [0] * len(self._cameras)
+            self.start()
+            self.restarts += 1
 
     def problem(self) -> str:
         """'' while the child runs, else why no frames can arrive."""

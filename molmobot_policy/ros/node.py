@@ -24,6 +24,7 @@ molmobot_policy.ros.node` runs).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 
@@ -57,6 +58,7 @@ from molmobot_policy.timing.chunking import chunk_gap
 from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
+RECEIVER_RESTART_S = 2.0    # the shortest time between two restarts of the camera receiver
 
 
 NO_POSITION_LIMITS = ('joint_position_min and joint_position_max are empty: no joint position '
@@ -102,7 +104,9 @@ class PolicyNode(LifecycleNode):
         self._sync: ObservationSynchronizer | None = None
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
-        self._receiver_failed = ''      # the receiver's exit, logged once per activation
+        self._receiver_failed = ''      # the receiver's exit, logged once per exit
+        self._receiver_restarting = threading.Lock()     # one restart at a time
+        self._receiver_restarted_at = -math.inf          # time.monotonic() of the last try
         self.quiet_window = QuietWindow()   # the worker's publish window (ros.main's executor)
         self._receiver_choice = 'in_process'    # where and why, decided at activate
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
@@ -125,6 +129,8 @@ class PolicyNode(LifecycleNode):
         mode['camera_receiver'] = self._receiver_choice
         if receiver is not None:
             mode['camera_receiver'] += f'; pid {receiver.pid}, node {receiver.node_name}'
+            if receiver.restarts:
+                mode['camera_receiver'] += f'; restarted {receiver.restarts} times'
             problem = receiver.problem()
             if problem:
                 mode['camera_receiver'] += f'; {problem}'
@@ -452,12 +458,35 @@ class PolicyNode(LifecycleNode):
         if problem:
             if not self._receiver_failed:
                 self._receiver_failed = problem
-                self.get_logger().error(f'{problem}: no camera frames arrive; every tick is '
-                                        'skipped until the node is deactivated and activated '
-                                        'again')
+                self.get_logger().error(
+                    f'{problem}: no camera frames arrive (every tick is skipped); restarting it '
+                    f'(at most every {RECEIVER_RESTART_S:.0f} s while it fails)')
+            self._restart_receiver(receiver)
             return problem
         receiver.poll(self._sync, self._warn_refused)
         return ''
+
+    def _restart_receiver(self, receiver: CameraReceiver) -> None:
+        """A new receiver child after an exit, at most every RECEIVER_RESTART_S (a child that
+        cannot start is not retried in a tight loop); from the worker or diagnostics thread,
+        whichever sees the exit first."""
+        if time.monotonic() - self._receiver_restarted_at < RECEIVER_RESTART_S or \
+                not self._receiver_restarting.acquire(blocking=False):
+            return
+        try:
+            if receiver is not self._receiver or not receiver.problem():
+                return      # deactivated, or the other thread restarted it
+            self._receiver_restarted_at = time.monotonic()
+            receiver.restart()
+            self._receiver_failed = ''
+            self.get_logger().warning(
+                f'camera receiver restarted as process {receiver.pid} (restart '
+                f'{receiver.restarts} of this activation, shared memory {receiver.segment})')
+        except Exception as error:  # noqa: BLE001 - the node keeps running: retried later
+            self.get_logger().error(f'camera receiver restart failed: {error!r}',
+                                    throttle_duration_sec=WARN_THROTTLE_S)
+        finally:
+            self._receiver_restarting.release()
 
     def _on_joint_state(self, msg: JointState) -> None:
         topic = self._sync.joint_state_topic
