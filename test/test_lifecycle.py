@@ -217,6 +217,17 @@ def test_ctrl_c_exit_makes_no_collection_over_the_model_heap(start_policy_node):
     assert probe.group(3) == '0', probe.group(0)
 
 
+def test_empty_position_limits_in_a_parameter_file_warn_at_configure(start_policy_node):
+    """`joint_position_min: []` in a YAML file reaches rclpy as no value (None): configure
+    still starts, and says that no position limit applies."""
+    from molmobot_policy.ros.node import NO_POSITION_LIMITS
+    node = start_policy_node(dict(PARAMETERS, autostart=True, joint_position_min=[],
+                                  joint_position_max=[]))
+    assert node.wait_for_log('active:', 60.0), node.log()
+    assert '[WARN]' in node.log() and NO_POSITION_LIMITS in node.log(), node.log()[-2000:]
+    assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
+
+
 # The node's entry point with a probe of the order of the stop: whether the ROS context is
 # still up when destroy_node starts (it stops the worker first), and when it has returned.
 ORDER_PROBE = """
