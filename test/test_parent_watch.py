@@ -141,6 +141,7 @@ def test_an_orphaned_node_stops_and_says_why(tmp_path):
         text = log.read_text()
         assert 'the process that started this node' in text and 'has exited' in text
         assert 'shutting down after 0 chunks' in text
+        assert 'SIGINT' not in text, text        # no signal was sent: none is named
     finally:
         _kill(pid)
 

@@ -119,20 +119,27 @@ class StopSignals:
         self._clock, self._first = clock, None
 
     def __call__(self, signum, frame) -> None:
-        now = self._clock()
         if self.requested.is_set():
-            if now - self._first < self.REPEAT_S or signum != signal.SIGINT:
+            if self._clock() - self._first < self.REPEAT_S or signum != signal.SIGINT:
                 return      # the same request again, or SIGTERM again
             self.count += 1
             raise KeyboardInterrupt
-        self._first = now
-        self.requested.set()
-        if self.on_request is not None:
-            threading.Thread(target=self.on_request, name='stop-request', daemon=True).start()
         name = signal.Signals(signum).name
         again = (f' (Ctrl-C again, {self.REPEAT_S:.0f} s or more from now, to interrupt at '
                  'once)' if signum == signal.SIGINT else '')
-        print_log(NODE_NAME, 'INFO', f'{name}: stopping after the current step{again}')
+        self.request(f'{name}: stopping after the current step{again}')
+
+    def request(self, line: str | None = None) -> None:
+        """The stop request itself (a signal's, or `ParentWatch`'s from its thread): sets
+        `requested`, runs `on_request` on a thread of its own and prints `line` (INFO)."""
+        if self.requested.is_set():
+            return
+        self._first = self._clock()
+        self.requested.set()
+        if self.on_request is not None:
+            threading.Thread(target=self.on_request, name='stop-request', daemon=True).start()
+        if line:
+            print_log(NODE_NAME, 'INFO', line)
 
     @property
     def forced(self) -> bool:
@@ -179,7 +186,8 @@ class ParentWatch:
 
     Args:
         name: the node name for the log line. period: seconds between checks (> 0).
-        getppid, kill: injected for tests (os.getppid; os.kill(os.getpid(), SIGINT)).
+        getppid: injected for tests (os.getppid). kill: () -> None, the stop (`main` passes
+            `StopSignals.request`; default os.kill(os.getpid(), SIGINT)).
     """
 
     def __init__(self, name: str, period: float = PARENT_CHECK_S, getppid=os.getppid,
@@ -354,7 +362,7 @@ def main(args=None) -> int:
             elif parent <= 1:
                 node.get_logger().log(*orphan_note(parent, os.environ))
             else:   # a parent that exited during start-up is seen at the first check
-                watch = ParentWatch(node.get_name()).start(parent)
+                watch = ParentWatch(node.get_name(), kill=stop.request).start(parent)
         try:
             with package_logs_to(node):
                 return _serve(node, stop)

@@ -190,6 +190,7 @@ class PolicyNode(LifecycleNode):
         self.get_logger().info(f'configuring: {step}')
 
     def _configure(self) -> TransitionCallbackReturn:
+        self._check_not_shut_down()     # a stop requested before configure began
         cameras = list(self._param('camera_topics'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
         from molmobot_policy.runtime.config import fused_action_expert_mode

@@ -337,8 +337,8 @@ def check_unknown_parameters(node) -> None:
                      if not node.has_parameter(n) and not n.startswith('qos_overrides.'))
     if unknown:
         raise ValueError(f"unknown parameter(s) for node '{node.get_name()}': "
-                         f"{', '.join(_with_closest(n) for n in unknown)}; see `ros2 param "
-                         f'describe` or molmobot_policy/ros/parameters.py PARAMETERS')
+                         f"{', '.join(_with_closest(n) for n in unknown)}; every parameter: "
+                         'docs/PARAMETERS.md')
 
 
 def _with_closest(name: str, names=PARAMETERS) -> str:
