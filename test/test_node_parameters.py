@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import time
+
 import pytest
 
 rclpy = pytest.importorskip('rclpy')
@@ -74,6 +76,41 @@ def _refused(context, name: str, value, node_name: str) -> ParameterError:
     assert (error.name, error.value) == (name, value)
     assert f"'{name}'" in str(error) and repr(value) in str(error)
     return error
+
+
+def test_a_node_whose_parameters_are_refused_is_destroyed_at_once(ros_context):
+    """Its rcl node is released when the constructor raises, not later by the garbage
+    collector (which could run it after the context's shutdown, in any allocation: the DDS
+    participant's teardown spun there with the GIL held and hung the test run)."""
+    import gc
+    gc.disable()        # no collection may release it for us
+    try:
+        checker = rclpy.create_node('param_refused_checker', context=ros_context)
+        _refused(ros_context, 'chunk_period', -1.0, 'param_refused_node')
+        deadline = time.monotonic() + 5.0      # the graph cache hears of it asynchronously
+        while 'param_refused_node' in checker.get_node_names() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 'param_refused_node' not in checker.get_node_names()
+        checker.destroy_node()
+    finally:
+        gc.enable()
+
+
+def test_destroy_node_releases_the_rcl_node_at_once(ros_context):
+    """destroy_node releases the rcl node itself (rclpy's LifecycleNode leaves it to the
+    garbage collector through its state machine)."""
+    import gc
+    gc.disable()
+    try:
+        checker = rclpy.create_node('param_destroy_checker', context=ros_context)
+        _node(ros_context, [Parameter('autostart', value=False)], 'param_destroyed').destroy_node()
+        deadline = time.monotonic() + 5.0
+        while 'param_destroyed' in checker.get_node_names() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 'param_destroyed' not in checker.get_node_names()
+        checker.destroy_node()
+    finally:
+        gc.enable()
 
 
 def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):

@@ -112,7 +112,11 @@ class PolicyNode(LifecycleNode):
         self._trajectory_pub = self._array_pub = self._chunk_info_pub = None
         self._diagnostics: Updater | None = None        # while active
         self._idle = IdleStatus(self, self._param)      # while not active
-        declare_parameters(self)
+        try:
+            declare_parameters(self)
+        except BaseException:   # a value rclpy or our checks refused
+            self._destroy_rcl_node()
+            raise
         if hasattr(self, 'add_pre_set_parameters_callback'):     # rclpy >= Iron
             self.add_pre_set_parameters_callback(self._before_set_parameters)
         self.add_on_set_parameters_callback(self._validate_parameters)
@@ -409,7 +413,18 @@ class PolicyNode(LifecycleNode):
         finally:
             self._idle.stop()
             self._close_engine(collect=not exiting)
-            super().destroy_node()
+            self._destroy_rcl_node()
+
+    def _destroy_rcl_node(self) -> None:
+        """rclpy's Node.destroy_node, then the lifecycle state machine, which holds the rcl
+        node: rclpy's LifecycleNode leaves it (and so the node, its DDS entities and, for the
+        context's last node, the participant) to the garbage collector, which may finalize it
+        in any allocation, after the context's shutdown: a test run hung there, in the
+        participant's teardown with the GIL held."""
+        super().destroy_node()
+        machine = getattr(self, '_state_machine', None)     # rclpy's, not public
+        if machine is not None:
+            machine.destroy_when_not_in_use()
 
     def _stop_loop(self) -> None:
         if self.loop is not None:
