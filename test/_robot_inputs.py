@@ -89,6 +89,20 @@ class InProcessGraph:
             time.sleep(0.02)
         return False
 
+    def in_executor(self, fn, timeout: float = 30.0):
+        """fn() run on the executor's thread (as a lifecycle service call runs in the node):
+        a transition called from the test thread destroys subscriptions the spinning thread
+        may be waiting on. Returns fn's result."""
+        import time
+        task = self.executor.create_task(fn)
+        self.executor.wake()
+        deadline = time.monotonic() + timeout
+        while not task.done():
+            assert time.monotonic() < deadline, f'{fn} did not finish in {timeout} s'
+            assert self.thread is None or self.thread.is_alive(), 'the executor thread died'
+            time.sleep(0.01)
+        return task.result()
+
     def close(self) -> None:
         import rclpy
         self.executor.shutdown(timeout_sec=2.0)

@@ -140,10 +140,10 @@ def test_deactivate_and_destroy_stop_the_receiver_and_remove_its_shared_memory(g
     process = receiver._process
     assert os.path.exists(segment)
     assert g.wait_for(lambda: len(g.infos) >= 1)
-    g.policy.trigger_deactivate()
+    g.in_executor(g.policy.trigger_deactivate)
     assert process.exitcode is not None
     assert not os.path.exists(segment)
-    g.policy.trigger_activate()             # a new receiver, a new segment
+    g.in_executor(g.policy.trigger_activate)        # a new receiver, a new segment
     receiver = g.policy._receiver
     segment, process = f'/dev/shm/{receiver.segment}', receiver._process
     assert os.path.exists(segment)
