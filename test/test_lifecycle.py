@@ -252,10 +252,9 @@ raise SystemExit(main())
 @pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM], ids=['sigint', 'sigterm'])
 def test_a_stop_signal_stops_the_worker_and_node_before_the_context(start_policy_node, signum):
     """SIGINT / SIGTERM while active: no chunk is sent after the signal; the node is
-    destroyed (its worker stopped) while the ROS
-    context is still up; the context is shut down after, so no line of the worker or the
-    node goes to a /rosout already shut (rclpy's own handler shut the context first, from a
-    thread of its own), and the process exits 0."""
+    destroyed (its worker stopped) while the ROS context is still up; the context is shut
+    down after, so no line of the worker or the node goes to a /rosout already shut (rclpy's
+    own handler shut the context first, from a thread of its own), and the process exits 0."""
     node = start_policy_node(dict(PARAMETERS, autostart=True), launcher=('-c', ORDER_PROBE))
     assert node.wait_for_log('active:', 60.0), node.log()
     node.process.send_signal(signum)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-
 import time
 
 import pytest
@@ -78,39 +77,38 @@ def _refused(context, name: str, value, node_name: str) -> ParameterError:
     return error
 
 
+def _left_the_graph_at_once(context, name: str, end_node) -> bool:
+    """With the garbage collector off (no collection may release the node for us): after
+    `end_node()` ends the PolicyNode `name`, True once it is gone from the graph (which
+    hears of it asynchronously; 5 s at most)."""
+    import gc
+    gc.disable()
+    try:
+        checker = rclpy.create_node(f'{name}_checker', context=context)
+        end_node()
+        deadline = time.monotonic() + 5.0
+        while name in checker.get_node_names() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = name not in checker.get_node_names()
+        checker.destroy_node()
+        return gone
+    finally:
+        gc.enable()
+
+
 def test_a_node_whose_parameters_are_refused_is_destroyed_at_once(ros_context):
     """Its rcl node is released when the constructor raises, not later by the garbage
     collector (which could run it after the context's shutdown, in any allocation: the DDS
     participant's teardown spun there with the GIL held and hung the test run)."""
-    import gc
-    gc.disable()        # no collection may release it for us
-    try:
-        checker = rclpy.create_node('param_refused_checker', context=ros_context)
-        _refused(ros_context, 'chunk_period', -1.0, 'param_refused_node')
-        deadline = time.monotonic() + 5.0      # the graph cache hears of it asynchronously
-        while 'param_refused_node' in checker.get_node_names() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert 'param_refused_node' not in checker.get_node_names()
-        checker.destroy_node()
-    finally:
-        gc.enable()
+    assert _left_the_graph_at_once(ros_context, 'param_refused_node', lambda: _refused(
+        ros_context, 'chunk_period', -1.0, 'param_refused_node'))
 
 
 def test_destroy_node_releases_the_rcl_node_at_once(ros_context):
     """destroy_node releases the rcl node itself (rclpy's LifecycleNode leaves it to the
     garbage collector through its state machine)."""
-    import gc
-    gc.disable()
-    try:
-        checker = rclpy.create_node('param_destroy_checker', context=ros_context)
-        _node(ros_context, [Parameter('autostart', value=False)], 'param_destroyed').destroy_node()
-        deadline = time.monotonic() + 5.0
-        while 'param_destroyed' in checker.get_node_names() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert 'param_destroyed' not in checker.get_node_names()
-        checker.destroy_node()
-    finally:
-        gc.enable()
+    assert _left_the_graph_at_once(ros_context, 'param_destroyed', lambda: _node(
+        ros_context, [Parameter('autostart', value=False)], 'param_destroyed').destroy_node())
 
 
 def test_integer_for_a_float_parameter_is_one_clear_error(ros_context):

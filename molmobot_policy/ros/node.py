@@ -59,8 +59,6 @@ from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
 RECEIVER_RESTART_S = 2.0    # the shortest time between two restarts of the camera receiver
-
-
 NO_POSITION_LIMITS = ('joint_position_min and joint_position_max are empty: no joint position '
                       'limit is applied to the published points (set them to the arm\'s limits, '
                       'one value per action joint: docs/ROBOT.md "Safety")')
@@ -227,8 +225,7 @@ class PolicyNode(LifecycleNode):
                               f'{len(cameras)} cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
             self.contract = contract
-            self._check_not_shut_down()
-            self._configuring('warming up the engine')
+            self._configuring('warming up the engine')      # checks for a stop first
             self.engine.warmup(progress=self._warmup_progress)
             self._latency = latency_estimator(self._param('chunk_period'),
                                               getattr(self.engine, 'inference_seconds', None))

@@ -296,7 +296,7 @@ class PolicyLoop:
 
     def stop(self) -> None:
         """Ends `run` at its next check (a wait returns at once) and joins its thread."""
-        self._stop.set()
+        self.request_stop()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
