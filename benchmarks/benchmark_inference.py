@@ -63,9 +63,7 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
         '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
-        '+score_mod': dict(opt, llm_attention='score_mod'),      # opt-in LLM attention
         '+fp8': dict(opt, quantize='fp8'),
-        '+score_mod_fp8': dict(opt, llm_attention='score_mod', quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 

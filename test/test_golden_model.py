@@ -87,21 +87,6 @@ def test_every_llm_layer_hidden_state_matches_golden(hidden_states, case):
     assert max(errors) < RTOL, errors
 
 
-def test_llm_hidden_states_through_the_score_mod_rule_match_golden(golden_model, case):
-    """The served engine's form of the mask (`llm_attention: score_mod`: the mask as a rule
-    over per-token tensors, `runtime.cudnn_attention.RuleMask`; here its CPU path) against
-    upstream's every-layer hidden states."""
-    from molmobot_policy.runtime.serving import rule_mask
-    model, _ = golden_model
-    with torch.no_grad():
-        hidden = model.llm_hidden_states(*inputs(case),
-                                         position_ids=torch.from_numpy(case['position_ids']),
-                                         llm_mask=rule_mask(model))
-    ref = case['llm_layer_hidden_states']
-    errors = [rel_err(hidden[i], ref[i]) for i in range(ref.shape[0])]
-    assert max(errors) < RTOL, errors
-
-
 def test_velocity_step0_matches_golden(golden_model, case, hidden_states):
     model, _ = golden_model
     ae = model.action_expert

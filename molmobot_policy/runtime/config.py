@@ -13,7 +13,6 @@ from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
 FUSED_AE_MODES = ('auto', 'on', 'off', 'cluster', 'triton')
-LLM_ATTENTION_MODES = ('masked', 'score_mod')
 
 
 def fused_action_expert_mode(value):
@@ -71,12 +70,6 @@ class EngineConfig:
             'off' never. `mode` says which runs and why. Same math within bf16 rounding
             (closer to float32 than the blocks: the residual stream stays float32 in the
             kernels).
-        llm_attention: how the LLM attends under its mask ("causal, or both tokens image
-            tokens", padding hidden): 'masked' (default) passes the (L, L) additive mask to
-            SDPA (upstream's form); 'score_mod' (CUDA, bf16/fp16, needs the
-            nvidia-cudnn-frontend package) runs one cuDNN graph that computes the mask in each
-            score tile from per-token tensors (`runtime.cudnn_attention`), checked against
-            float32 at start-up. Same result within bf16 rounding; `mode` says which runs.
         instruction: default instruction, used when an observation carries none.
     """
 
@@ -97,7 +90,6 @@ class EngineConfig:
     quantize: str = 'none'
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
-    llm_attention: str = 'masked'
     instruction: str = ''
 
     def __post_init__(self) -> None:
@@ -128,12 +120,6 @@ class EngineConfig:
             if mode == 'cluster' and self.dtype != 'bfloat16':
                 raise ValueError(f"fused_action_expert=cluster needs dtype 'bfloat16', got "
                                  f'{self.dtype!r}')
-        if self.llm_attention not in LLM_ATTENTION_MODES:
-            raise ValueError(f'llm_attention must be one of {LLM_ATTENTION_MODES}, got '
-                             f'{self.llm_attention!r}')
-        if self.llm_attention == 'score_mod' and not self.device.startswith('cuda'):
-            raise ValueError(f'llm_attention=score_mod needs a CUDA device (cuDNN), got '
-                             f'device={self.device!r}')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))

@@ -13,9 +13,6 @@ dtype (moving it afterwards is not supported), the way gpt-fast fuses its weight
 - on CUDA the ViT MLP's w1 + bias + tanh-GELU is one cuBLASLt GEMM with its GELU epilogue
   (`GeluEpilogueMLP`);
 - fp8 LLM Linears (`model.fp8.quantize_llm_fp8_`, `EngineConfig.quantize`);
-- the LLM's masked attention as one cuDNN graph that computes the mask per score tile from
-  per-token tensors (`runtime.cudnn_attention`, `EngineConfig.llm_attention`;
-  `ServedModel.llm_mask`);
 - the action expert's per-query context projects every block's cross-attention K/V with one
   batched GEMM over the stacked kv_proj weights and without kv_proj's bias, the value bias
   folded into the output bias (`ServedActionExpert`); its AdaLN conditioning is computed once
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -229,37 +225,6 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
     return '', reason
 
 
-def llm_attention_choice(config, model) -> str:
-    """How the LLM attends under `config` (`EngineConfig.llm_attention`): 'masked', or
-    'score_mod' once `runtime.cudnn_attention.self_check` has passed on the model's device.
-
-    Raises:
-        ValueError: llm_attention=score_mod where it cannot serve (the reason named).
-    """
-    if config.llm_attention == 'masked':
-        return 'masked'
-    from molmobot_policy.runtime import cudnn_attention
-    param = next(model.parameters())
-    reason = (cudnn_attention.unavailable_reason(model.config, param.device, param.dtype)
-              or cudnn_attention.self_check(model.config, param.device, param.dtype))
-    if reason:
-        raise ValueError(f'llm_attention=score_mod cannot serve: {reason}')
-    return 'score_mod'
-
-
-def rule_mask(model):
-    """`llm_mask(input_ids, attention_mask)` for `MolmoBot.llm_hidden_states`: the query's
-    `runtime.cudnn_attention.RuleMask` (image tokens bi-directional where the model's config
-    says so)."""
-    from molmobot_policy.runtime.cudnn_attention import RuleMask
-    image_ids = model.image_special_ids if model.config.bi_directional_attn else None
-
-    def llm_mask(input_ids, attention_mask):
-        # right padding (the engine's prompts): causality hides the padded keys already
-        return RuleMask.build(input_ids, image_ids)
-    return llm_mask
-
-
 def _quantize_(model, quantize: str) -> str:
     """fp8 LLM Linears for quantize 'fp8' / 'fp8-rowwise' / 'fp8-tensor' (once per model);
     returns the granularity the model serves with: 'rowwise', 'tensor' or 'none'."""
@@ -280,8 +245,7 @@ class ServedModel:
     fp8: granularity of the fp8 LLM Linears ('rowwise', 'tensor' or 'none').
     fused_kernel: the kernel that runs each flow step's blocks: 'cluster', 'triton' or ''
         (the compiled blocks). fused_reason: why the preferred kernel does not serve ('' when
-        it does). llm_attention: 'masked' or 'score_mod'. llm_mask: the `llm_mask` to give
-        `MolmoBot.llm_hidden_states` (None: the additive mask).
+        it does).
     """
 
     model: nn.Module
@@ -289,14 +253,12 @@ class ServedModel:
     fp8: str
     fused_kernel: str
     fused_reason: str
-    llm_attention: str = 'masked'
-    llm_mask: Callable | None = None
 
 
 def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     """Applies every serving change (module docstring) to `model` in place, as `config`
-    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, llm_attention,
-    kv_cache, compile, cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
+    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, kv_cache, compile,
+    cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
     for the model's modules, so engines may share one model (each gets its own conditioning
     and fused-kernel tables for its `flow_steps`).
 
@@ -317,9 +279,7 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     fp8 = _quantize_(model, config.quantize)
     kernel, reason = fused_kernel_choice(config, model.action_expert)
     served = ServedActionExpert(model.action_expert, flow_steps, kernel)
-    attention = llm_attention_choice(config, model)
     if config.compile:     # one-pass row reductions on CUDA: `compile.served_row_limit`
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
-    return ServedModel(model, served, fp8, kernel, reason, attention,
-                       rule_mask(model) if attention == 'score_mod' else None)
+    return ServedModel(model, served, fp8, kernel, reason)
