@@ -55,7 +55,8 @@ def test_a_failing_parent_check_stops_the_node(monkeypatch):
 
 
 def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
-            terminal: bool = False, at_once: bool = False) -> tuple[int, Path]:
+            terminal: bool = False, at_once: bool = False,
+            namespace: str = '/') -> tuple[int, Path]:
     """Start the node (autostart off: no engine) from a parent that exits at once without
     stopping it (`nohup`: with SIGHUP ignored, as nohup starts it; otherwise with SIGHUP at
     its default whatever this test runs under, e.g. `nohup make test`); returns the node's
@@ -63,7 +64,7 @@ def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
     reads into the log and that is gone with the parent, as `ros2 launch`'s
     (`emulate_tty=True`): the node's writes to it then fail (EIO). `at_once`: the parent
     exits right after starting it (a shell's `node &` that ends), while the node still
-    imports."""
+    imports. `namespace`: the node's."""
     log = tmp_path / 'node.log'
     script = textwrap.dedent(f'''
         import os, pty, select, signal, subprocess, sys, time
@@ -77,7 +78,7 @@ def _orphan(tmp_path, stop_with_parent: bool, nohup: bool = False,
         node = subprocess.Popen([sys.executable, '-m', 'molmobot_policy.ros.node', '--ros-args',
                                  '-p', 'autostart:=false',
                                  '-p', 'stop_with_parent:={str(stop_with_parent).lower()}',
-                                 '-r', '__node:=orphan_test'],
+                                 '-r', '__node:=orphan_test', '-r', '__ns:={namespace}'],
                                 cwd={str(REPO)!r}, stdout=output, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         print(node.pid, flush=True)
@@ -142,6 +143,17 @@ def test_an_orphaned_node_stops_and_says_why(tmp_path):
         assert 'the process that started this node' in text and 'has exited' in text
         assert 'shutting down after 0 chunks' in text
         assert 'SIGINT' not in text, text        # no signal was sent: none is named
+    finally:
+        _kill(pid)
+
+
+def test_the_stop_line_names_the_node_with_its_namespace(tmp_path):
+    # a fresh-user trial: under namespace:=robot1 this one line read [orphan_test]
+    pid, log = _orphan(tmp_path, stop_with_parent=True, namespace='/robot1')
+    try:
+        assert _wait_exit(pid, 30.0), log.read_text()
+        line = next(line for line in log.read_text().splitlines() if 'has exited' in line)
+        assert '[robot1.orphan_test]' in line, line
     finally:
         _kill(pid)
 

@@ -284,6 +284,18 @@ def test_a_frame_below_min_image_size_is_refused_until_a_big_enough_one_arrives(
     assert isinstance(obs, Observation) and obs.images[1].shape == (5, 4, 3)
 
 
+def test_a_frame_too_large_for_the_receivers_slot_is_named_by_its_camera():
+    from molmobot_policy.ros.frame_slots import RawFrame
+    sync = _sync()
+    _fill(sync)
+    sync.add_joint_state(list(JOINTS), [0.1, 0.2, 0.3], 10.0, 10.0)
+    big = RawFrame(2, 3, 'rgb8', 9, b'', too_large='a frame of 9437184 bytes does not fit')
+    sync.add_image(CAMERAS[1], big, 10.1, 10.1)
+    skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and skip.topics == (CAMERAS[1],)
+    assert str(skip).startswith(f'{CAMERAS[1]}: a frame of 9437184 bytes does not fit')
+
+
 def test_min_image_size_must_be_two_non_negative_counts():
     for bad in ((-1, 4), (4,), (1, 2, 3)):
         with pytest.raises(ValueError, match='min_image_size'):
@@ -364,6 +376,35 @@ def test_a_refused_joint_state_is_named_in_stats_and_in_the_skip():
     assert isinstance(skip, Skip) and '3 names but 2 positions' in str(skip)
     sync.add_joint_state(list(JOINTS), [0.1, 0.2, 0.3], 10.1, 10.1)     # a good one clears it
     assert sync.stats(now=10.1)['/joint_states'].problem == ''
+
+
+def test_a_joint_state_naming_a_used_joint_twice_is_refused_and_named():
+    """Neither position of the repeated joint is used: the last good state stands while it
+    is fresh (as for any refused message), then the skip names the refusal."""
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(list(JOINTS), [0.1, 0.2, 0.3], 10.0, 10.0)
+    with pytest.raises(ValueError, match=r"joints \['joint_b'\] appear more than once"):
+        sync.add_joint_state(list(JOINTS) + ['joint_b'], [0.1, 0.2, 0.3, 5.0], 10.1, 10.1)
+    assert 'appear more than once' in sync.stats(now=10.1)['/joint_states'].problem
+    obs = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(obs, Observation) and obs.state.tolist() == pytest.approx([0.1, 0.2, 0.3])
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(2), 11.5, 11.5)
+    skip = sync.build(now=11.5, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and "['joint_b'] appear more than once" in str(skip)
+
+
+def test_a_repeated_joint_the_node_does_not_use_is_accepted():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(list(JOINTS) + ['other', 'other'], [0.1, 0.2, 0.3, 1.0, 2.0], 10.0,
+                         10.0)
+    assert sync.stats(now=10.0)['/joint_states'].problem == ''
+    obs = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(obs, Observation) and obs.state.tolist() == pytest.approx([0.1, 0.2, 0.3])
 
 
 def test_stats_name_configured_joints_that_never_arrive():

@@ -237,8 +237,9 @@ class FrameSlots:
             return _TORN            # overwritten while copying
         text = text[:text_length].decode('ascii', 'replace')
         too_large = '' if fits else (
-            f'frame of {length} bytes does not fit the shared-memory slot of the camera '
-            f'receiver process ({self.capacity} bytes)')
+            f'a frame of {length} bytes does not fit the shared-memory slot of the camera '
+            f'receiver process ({self.capacity} bytes): set camera_receiver: in_process, or '
+            'lower the camera resolution')
         message = (CompressedFrame(text, data, too_large) if compressed
                    else RawFrame(height, width, text, step, data, too_large))
         earlier = range(max(since + 1, count - RECENT + 1), count)

@@ -185,7 +185,8 @@ class ParentWatch:
     started it has exited, i.e. `os.getppid()` differs from what it read at `start`.
 
     Args:
-        name: the node name for the log line. period: seconds between checks (> 0).
+        name: the node's logger name for the log line (namespace included, as the node's
+            own lines). period: seconds between checks (> 0).
         getppid: injected for tests (os.getppid). kill: () -> None, the stop (`main` passes
             `StopSignals.request`; default os.kill(os.getpid(), SIGINT)).
     """
@@ -362,7 +363,7 @@ def main(args=None) -> int:
             elif parent <= 1:
                 node.get_logger().log(*orphan_note(parent, os.environ))
             else:   # a parent that exited during start-up is seen at the first check
-                watch = ParentWatch(node.get_name(), kill=stop.request).start(parent)
+                watch = ParentWatch(node.get_logger().name, kill=stop.request).start(parent)
         try:
             with package_logs_to(node):
                 return _serve(node, stop)

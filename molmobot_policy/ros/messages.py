@@ -34,8 +34,9 @@ class ChunkInfo:
     FIRST_ACTION = 'first_action'           # `format_action` of the first point
     VELOCITY_LIMITED = 'velocity_limited'   # (point, joint) values moved by max_joint_velocity
     POSITION_CLIPPED = 'position_clipped'   # ... by joint_position_min / _max
-    START_OFFSET = 'start_offset'           # max |planned first point - measured|, robot
-                                            # units ('nan': no joint anchored)
+    START_OFFSET = 'start_offset'           # max |model's first point - measured|, robot
+                                            # units, before the motion limits ('nan': no
+                                            # joint anchored): asked for, not sent
     # with debug_timing only ('' where not measured): where a late publish's time went
     WAKE_LATE_MS = 'wake_late_ms'           # the last timed wait before the deadline, late by
     RUNQUEUE_WAIT_MS = 'runqueue_wait_ms'   # runnable without a CPU (Linux schedstat)

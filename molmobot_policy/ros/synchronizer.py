@@ -250,11 +250,20 @@ class ObservationSynchronizer:
             stamp: header stamp, s. received: receive time, s.
 
         Raises:
-            ValueError: `names` and `positions` differ in length.
+            ValueError: `names` and `positions` differ in length, or a joint this node uses
+                appears more than once (which of its positions is meant is unknown).
         """
+        problem = ''
         if len(names) != len(positions):
             problem = (f'joint state on {self.joint_state_topic!r}: {len(names)} names but '
                        f'{len(positions)} positions; expected equal lengths')
+        elif len(set(names)) != len(names):
+            repeated = sorted({n for n in names if n in self._kept_joints
+                               and names.count(n) > 1})
+            if repeated:
+                problem = (f'joint state on {self.joint_state_topic!r}: joints {repeated} '
+                           'appear more than once; expected each joint once')
+        if problem:
             with self._lock:
                 self._note_receive(self.joint_state_topic, received)
                 self._note_problem(self._refused, self.joint_state_topic,
@@ -341,8 +350,8 @@ class ObservationSynchronizer:
         limit = f'age {max(ages[n] for n in stale):.3f} s > max_state_age {max_age:.3f} s'
         if not stale_while_others_current(ages, max_age):
             return f'{stale}: {limit}'
-        return (f'{stale} ({limit}) while other joints on it are current: is '
-                f"{'that joint' if len(stale) == 1 else 'those joints'} still published?")
+        return (f'{stale} ({limit}) while other joints on it are current: '
+                f"{'is that joint' if len(stale) == 1 else 'are those joints'} still published?")
 
     def anchor_positions(self, names: Sequence[str], gripper_index: int, now: float,
                          max_age: float) -> tuple[np.ndarray, float, list[str]]:
@@ -524,8 +533,8 @@ class ObservationSynchronizer:
             topic, frame = item
             try:
                 image = self._decode(frame.msg, topic)
-            except ValueError as bad:
-                return bad
+            except ValueError as bad:     # named by its topic (the decoders name it already)
+                return bad if str(bad).startswith(topic) else ValueError(f'{topic}: {bad}')
             if image.shape[0] < min_h or image.shape[1] < min_w:
                 return ValueError(f'{topic}: a {image.shape[0]}x{image.shape[1]} frame, smaller '
                                   f'than min_image_size {min_h}x{min_w} (height x width): a '
