@@ -563,6 +563,51 @@ def test_the_first_point_starts_at_the_measured_state_and_ramps_to_the_plan():
     assert loop.stats.velocity_limited == report.velocity_limited
 
 
+def test_the_first_point_is_anchored_where_the_arm_is_at_the_publish_not_where_measured():
+    """A fresh-user trial: the arm runs the previous chunk during the next one's lead, so the
+    measurement taken when the chunk is prepared lags the arm; the first point must be within
+    max_velocity * (its time - the publish time) of the arm AT THE PUBLISH."""
+    from molmobot_policy.timing import MotionLimiter, latency_estimator
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    velocity = 0.5
+
+    def arm_at(t, sent):       # the arm tracks the last chunk sent (at rest before any)
+        if not sent:
+            return np.zeros(JOINTS)
+        chunk = sent[-1][1]
+        return np.array([np.interp(t, chunk.times, chunk.positions[:, j])
+                         for j in range(JOINTS)])
+
+    def measure():             # a joint state 0.3 s old when the chunk is prepared
+        stamp = clock.t - 0.3
+        return arm_at(stamp, robot.sent), stamp
+    recorder = Recorder(event, 2)
+    loop = make_loop(clock, event, robot, recorder, measured=measure,
+                     limiter=MotionLimiter(max_velocity=velocity),
+                     latency=latency_estimator(PERIOD, inference_seconds=0.08))
+    loop.run()
+    (_, first), (sent, second) = robot.sent
+    arm = arm_at(sent, [(None, first)])
+    assert first.positions[-1, 0] > arm[0] > first.positions[0, 0]    # the arm is moving
+    allowance = velocity * max(second.times[0] - sent, 0.0)
+    assert np.all(np.abs(second.positions[0] - arm) <= allowance + 1e-3), (
+        second.positions[0], arm, allowance)
+
+
+def test_position_at_publish_moves_the_measurement_along_the_executing_chunk():
+    from molmobot_policy.timing.chunking import StitchedChunk
+    from molmobot_policy.timing.motion import position_at_publish
+    chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[0.0, 5.0], [1.0, 5.0]]), 0, 0)
+    measured = np.array([0.2, np.nan])
+    moved = position_at_publish(measured, 10.25, 10.75, chunk)
+    assert moved[0] == pytest.approx(0.7) and np.isnan(moved[1])
+    assert position_at_publish(measured, 12.0, 13.0, chunk)[0] == 0.2    # chunk over: holds
+    assert position_at_publish(measured, 10.5, 10.5, chunk)[0] == 0.2
+    assert position_at_publish(measured, 10.0, 11.0, None)[0] == 0.2
+
+
 def test_the_next_chunk_is_joined_to_the_published_points_not_the_unlimited_plan():
     """The stitcher's previous chunk (what the next one is joined to) is the chunk as sent,
     after the motion limits moved its points."""

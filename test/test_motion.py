@@ -97,6 +97,26 @@ def test_only_joints_measured_outside_their_limits_are_reported_outside():
     ).outside_limits == ()                        # no limits: nothing is outside
 
 
+def test_max_step_bounds_the_ramp_toward_the_arm_and_every_step():
+    # a fresh-user trial: max_step 0.1 was applied by the stitcher, then this limiter's ramp
+    # at max_velocity x control_period (0.3 rad) took larger steps after an activation
+    limiter = MotionLimiter(max_velocity=1.5, max_step=0.1)
+    times = 10.0 + 0.2 * np.arange(6)
+    plan = np.array([[0.0], [0.3], [0.6], [0.9], [1.0], [1.0]])
+    out = limiter.limit(times, plan, measured=np.array([-0.5]), publish_time=9.0)
+    steps = np.abs(np.diff(np.concatenate([[-0.5], out.positions[:, 0]])))
+    assert steps.max() <= 0.1 + 1e-12, steps
+    assert out.positions[-1, 0] == pytest.approx(0.1)       # six steps of 0.1 from -0.5
+    assert out.velocity_limited == 6
+
+
+def test_max_step_per_joint_and_inf_for_none():
+    limiter = MotionLimiter(max_velocity=10.0, max_step=[0.1, np.inf])
+    out = limiter.limit(_times(2), np.array([[0.0, 0.0], [1.0, 1.0]]), measured=np.zeros(2),
+                        publish_time=9.0)
+    assert out.positions[1].tolist() == pytest.approx([0.1, 1.0])
+
+
 def test_empty_chunk_passes_through():
     limiter = MotionLimiter(max_velocity=1.0)
     out = limiter.limit(np.zeros(0), np.zeros((0, 2)), measured=np.zeros(2), publish_time=1.0)
@@ -109,6 +129,7 @@ def test_empty_chunk_passes_through():
     (dict(max_velocity=[[1.0]]), 'max_velocity must be a float or a 1-D list'),
     (dict(position_min=[1.0], position_max=[0.0]), 'position_min must be <= position_max'),
     (dict(position_min=[np.nan]), 'position_min must not contain nan'),
+    (dict(max_step=[0.1, 0.0]), 'max_step must be > 0'),
 ])
 def test_bad_limits_are_refused_naming_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):

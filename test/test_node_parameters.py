@@ -371,6 +371,13 @@ def test_the_gripper_dimension_has_no_velocity_limit():
     assert velocity[:6].tolist() == [1.5] * 6 and velocity[6] == float('inf')
 
 
+def test_the_motion_limiter_takes_max_step_except_for_the_gripper():
+    from molmobot_policy.ros.parameters import motion_limiter
+    assert motion_limiter(_values()).max_step is None        # the default: no step limit
+    step = motion_limiter(_values(max_step=[0.1], gripper_index=6)).max_step
+    assert step[:6].tolist() == [0.1] * 6 and step[6] == float('inf')
+
+
 @pytest.mark.parametrize('name, value, expected', [
     ('max_joint_velocity', [1.0, 2.0], '1 or 7'),
     ('max_joint_velocity', [], '1 or 7'),

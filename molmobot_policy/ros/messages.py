@@ -34,7 +34,7 @@ class ChunkInfo:
     FIRST_ACTION = 'first_action'           # `format_action` of the first point
     VELOCITY_LIMITED = 'velocity_limited'   # (point, joint) values moved by max_joint_velocity
     POSITION_CLIPPED = 'position_clipped'   # ... by joint_position_min / _max
-    START_OFFSET = 'start_offset'           # max |model's first point - measured|, robot
+    START_OFFSET = 'start_offset'           # max |model's first point - arm|, robot
                                             # units, before the motion limits ('nan': no
                                             # joint anchored): asked for, not sent
     # with debug_timing only ('' where not measured): where a late publish's time went

@@ -467,22 +467,28 @@ def chunk_stitcher(parameter) -> ChunkStitcher:
 
 
 def motion_limiter(parameter) -> MotionLimiter:
-    """The `MotionLimiter` of max_joint_velocity, joint_position_min and joint_position_max; `parameter(name)` -> its value. The gripper dimension (gripper_index
-    >= 0) has no velocity limit: its binarized open / closed command is no joint position.
+    """The `MotionLimiter` of max_joint_velocity, joint_position_min, joint_position_max and
+    max_step; `parameter(name)` -> its value. The gripper dimension (gripper_index >= 0) has
+    no velocity or step limit here: its binarized open / closed command is no joint position.
     Raises ValueError on a bad value (ParameterError naming the parameter for lists of the
     wrong length or type)."""
     velocity = per_joint(parameter, 'max_joint_velocity')
-    if 0 <= parameter('gripper_index') < len(velocity):
-        velocity[parameter('gripper_index')] = np.inf
+    step = per_joint(parameter, 'max_step')
+    gripper = parameter('gripper_index')
+    if 0 <= gripper < len(velocity):
+        velocity[gripper] = np.inf
+        if step is not None:
+            step[gripper] = np.inf
     try:
         return MotionLimiter(max_velocity=velocity,
                              position_min=per_joint(parameter, 'joint_position_min'),
-                             position_max=per_joint(parameter, 'joint_position_max'))
+                             position_max=per_joint(parameter, 'joint_position_max'),
+                             max_step=step)
     except ParameterError:
         raise
     except ValueError as error:     # MotionLimiter names max_velocity, position_min/_max
-        raise ValueError(f'max_joint_velocity / joint_position_min / joint_position_max: '
-                         f'{error}') from None
+        raise ValueError(f'max_joint_velocity / joint_position_min / joint_position_max / '
+                         f'max_step: {error}') from None
 
 
 def camera_subscriptions(parameter) -> list[tuple[str, bool]]:

@@ -60,7 +60,7 @@ import numpy as np
 
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
-from molmobot_policy.timing.motion import MotionLimiter
+from molmobot_policy.timing.motion import MotionLimiter, position_at_publish
 from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
 from molmobot_policy.timing.scheduler import DeadlineScheduler, ObservationGate, Tick
 from molmobot_policy.timing.stats import account_difference, runqueue_wait_s, thread_account
@@ -481,25 +481,29 @@ class PolicyLoop:
             self._skip(tick, str(error))
             return None
         actions = self._to_joints(np.asarray(chunk.actions, dtype=np.float64))
+        executing = self._stitcher.previous     # what the arm runs until this one arrives
         stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
         self.stats.dropped_actions += stitched.dropped
         if len(stitched) == 0:
             self._skip(tick, f'all {stitched.dropped} actions were in the past at publish time',
                        counted=False)
             return None
-        limits = self._limit(stitched, measured, publish_at)
+        limits = self._limit(stitched, measured, publish_at, executing)
         if limits is not None:
             stitched = replace(stitched, positions=limits.positions)
             self._stitcher.commit(stitched)     # the next chunk joins what was published
         return self._publish(stitched), stitched, limits
 
-    def _limit(self, stitched: StitchedChunk, measured, publish_at: float):
+    def _limit(self, stitched: StitchedChunk, measured, publish_at: float,
+               executing: Optional[StitchedChunk]):
         """The limiter's `LimitedPoints` for the stitched chunk sent at `publish_at` (None
-        without a limiter); `measured` is what `self._measured()` returned."""
+        without a limiter); `measured` is what `self._measured()` returned, `executing` the
+        chunk the arm runs until then (`motion.position_at_publish`)."""
         if self._limiter is None:
             return None
-        positions, _ = measured
-        return self._limiter.limit(stitched.times, stitched.positions, positions, publish_at)
+        positions, stamp = measured
+        anchor = position_at_publish(positions, stamp, publish_at, executing)
+        return self._limiter.limit(stitched.times, stitched.positions, anchor, publish_at)
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
                 stitched: StitchedChunk, published: float, delay: Optional[DelayClues],
