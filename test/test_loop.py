@@ -517,6 +517,24 @@ def test_a_stop_request_during_inference_sends_nothing_more():
     assert event.is_set()
 
 
+def test_a_clock_jump_forward_before_the_publish_sends_nothing_and_says_why():
+    """A fresh-user trial: /clock jumped 20 s forward while a chunk waited for its deadline,
+    and the chunk went out with every point 20 s in the past."""
+    def publish(robot):
+        def call(chunk):
+            if not robot.prepared:
+                robot.clock.t += 20.0           # the jump, between preparing and sending
+            return Robot.publish(robot, chunk)
+        return call
+    loop, robot, recorder = run(chunks=2, robot_changes={'publish': publish})
+    reasons = [reason for _, reason in recorder.skips]
+    assert len(reasons) == 1 and 'ROS time moved 19.' in reasons[0], reasons
+    assert 'a /clock jump forward?' in reasons[0]
+    assert len(robot.prepared) == 2 and len(robot.sent) == 1      # the first was not sent
+    sent, chunk = robot.sent[0]              # the next starts at or after its send
+    assert chunk.times[0] >= sent - 1e-3
+
+
 # ------------------------------------------------------------------ safety (issue 17)
 def run_limited(chunks: int, measured, velocity: float, **kwargs):
     """`run` with a MotionLimiter; the arm is measured at `measured` (A,) when the loop asks,

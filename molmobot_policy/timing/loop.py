@@ -449,6 +449,14 @@ class PolicyLoop:
         try:
             if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
                 return  # stopped, or the clock went back: never publish into the new time
+            past = self._now() - stitched.times[0]
+            if past > self._stitcher.control_period:
+                # ROS time moved on while the chunk waited (a /clock jump forward): its
+                # points would all be in the past, which a controller rejects
+                self._stitcher.reset()
+                return self._skip(tick, f'ROS time moved {past:.3f} s past the chunk\'s first '
+                                        'point before its publish (a /clock jump forward?): '
+                                        'not sent')
             wake_late, mark = self.wake_late, self.runqueue_mark
             called = self._now() if self._debug else None
             send()
