@@ -136,6 +136,7 @@ def test_cleanup_releases_the_engine_and_shutdown_finalizes(lifecycle):
     assert _state(get) == State.PRIMARY_STATE_UNCONFIGURED
     assert _transition(change, Transition.TRANSITION_UNCONFIGURED_SHUTDOWN), node.log()
     assert _state(get) == State.PRIMARY_STATE_FINALIZED
+    assert node.wait_for_log('finalized (lifecycle shutdown)', 10.0), node.log()
     assert node.running()          # finalized, still answering until stopped
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
 

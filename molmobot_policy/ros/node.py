@@ -399,6 +399,10 @@ class PolicyNode(LifecycleNode):
         if self._diagnostics is not None:      # active
             self.on_deactivate(state)
         self._close_engine()
+        self._idle.set(WARN, 'finalized (lifecycle shutdown): no commands are sent; stop the '
+                             'process to end it')
+        self.get_logger().info('finalized (lifecycle shutdown): no commands are sent; the '
+                               'process runs until stopped')
         return TransitionCallbackReturn.SUCCESS
 
     def destroy_node(self, exiting: bool = False) -> None:
