@@ -450,9 +450,10 @@ class PolicyLoop:
             if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
                 return  # stopped, or the clock went back: never publish into the new time
             past = self._now() - stitched.times[0]
-            if past > self._stitcher.control_period:
+            if past > self._period:
                 # ROS time moved on while the chunk waited (a /clock jump forward): its
-                # points would all be in the past, which a controller rejects
+                # points would be in the past, which a controller rejects (a shorter wall-clock
+                # stall sends it late, as before: the controller starts where it is now)
                 self._stitcher.reset()
                 return self._skip(tick, f'ROS time moved {past:.3f} s past the chunk\'s first '
                                         'point before its publish (a /clock jump forward?): '
