@@ -45,7 +45,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters, motion_limiter,
-                                            per_joint, type_mismatches, unanchored_action_joints,
+                                            type_mismatches, unanchored_action_joints,
                                             undeclared, widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
@@ -209,9 +209,8 @@ class PolicyNode(LifecycleNode):
             check_unknown_parameters(self)
             check_parameter_values(self._param)
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
-            motion_limiter(self._param)     # ... on bad motion limits
-            if per_joint(self._param, 'joint_position_min') is None and \
-                    per_joint(self._param, 'joint_position_max') is None:
+            limiter = motion_limiter(self._param)     # ... on bad motion limits
+            if limiter.position_min is None and limiter.position_max is None:
                 self.get_logger().warning(NO_POSITION_LIMITS)
             # before the (possibly long) weight load: the checkpoint's config.yaml only
             contract = check_robot_contract(
