@@ -13,6 +13,8 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
 - `--baseline FILE`: another fused_dit.py (e.g. `git show HEAD:molmobot_policy/runtime/
   fused_dit.py > /tmp/fused_dit_head.py`), timed in the same process: how to measure a
   change to the kernel (`--repeat 2` alternates them);
+- `--cluster-baseline FILE`: likewise for the cluster kernel (`runtime/cluster_dit.py`, its
+  `.cu` beside the file), with whether the served one gives the same bits;
 - `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
@@ -101,6 +103,10 @@ def main(argv=None) -> int:
     parser.add_argument('--cluster-prefetch', default='0',
                         help='the cluster kernel (runtime.cluster_dit) with these L2 prefetch '
                              'distances in stream slots, comma-separated ("" skips it)')
+    parser.add_argument('--cluster-baseline', default=None,
+                        help='another cluster_dit.py with its cluster_dit.cu beside it (e.g. '
+                             'the last commit\'s), built under another name and timed as a row '
+                             'in the same process, before each cluster row')
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -158,14 +164,31 @@ def main(argv=None) -> int:
         if args.cluster_prefetch and reason:
             print(f'cluster kernel skipped: {reason}')
         elif args.cluster_prefetch:
-            variants += [(f'cluster (prefetch {pf})' + (f' #{i + 1}' if i else ''),
-                          cluster_dit, dict(prefetch=int(pf)))
-                         for i in range(args.repeat) for pf in args.cluster_prefetch.split(',')]
+            cluster_base = None
+            if args.cluster_baseline:
+                spec = importlib.util.spec_from_file_location('cluster_dit_baseline',
+                                                              args.cluster_baseline)
+                cluster_base = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(cluster_base)
+                cluster_base._EXT_NAME = 'molmobot_cluster_dit_baseline'
+            for i in range(args.repeat):
+                suffix = f' #{i + 1}' if i else ''
+                if cluster_base is not None:
+                    variants.append((f'cluster baseline ({args.cluster_baseline}){suffix}',
+                                     cluster_base, {}))
+                variants += [(f'cluster (prefetch {pf}){suffix}', cluster_dit,
+                              dict(prefetch=int(pf))) for pf in args.cluster_prefetch.split(',')]
+        base_out = None             # the last cluster baseline's loop output
         for label, module, kwargs in variants:
             try:
-                step_cls = module.ClusterDiTStep if module is cluster_dit else module.FusedDiTStep
+                step_cls = (module.ClusterDiTStep if hasattr(module, 'ClusterDiTStep')
+                            else module.FusedDiTStep)
                 row, out = measure(label, bound_steps(step_cls(ae, **kwargs), cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
+                if module is cluster_dit and base_out is not None:
+                    row['same_bits_as_cluster_baseline'] = bool(torch.equal(out, base_out))
+                if module is not cluster_dit and hasattr(module, 'ClusterDiTStep'):
+                    base_out = out
             except Exception as exc:  # noqa: BLE001 - a tile shape may not compile
                 row = {'variant': label, 'error': f'{type(exc).__name__}: {str(exc)[:400]}'}
             rows.append(row)
@@ -189,10 +212,12 @@ def main(argv=None) -> int:
     print(f'\nflow loop: {steps} steps x {len(ae.blocks)} blocks x {ae.cfg.hidden_size}, context '
           f'{ctx.keys.shape[-2]} tokens, bf16; {torch.cuda.get_device_name()}')
     common.print_table(
-        ['variant', 'p50 ms', 'p99 ms', 'x torch', 'vs fp32', 'vs torch', 'stable'],
+        ['variant', 'p50 ms', 'p99 ms', 'x torch', 'vs fp32', 'vs torch', 'stable',
+         'bits = cluster baseline'],
         [[r['variant'], r['p50_ms'], r['p99_ms'], base / r['p50_ms'],
           f"{r['rel_diff_vs_fp32']:.2e}", f"{r.get('rel_diff_vs_torch', 0.0):.2e}",
-          r['bitwise_stable']] for r in rows if 'error' not in r])
+          r['bitwise_stable'], r.get('same_bits_as_cluster_baseline', '')]
+         for r in rows if 'error' not in r])
     for r in rows:
         if 'error' in r:
             print(f"{r['variant']}: failed: {r['error']}")

@@ -266,6 +266,14 @@ def test_undecodable_frame_skips_the_tick_naming_the_topic():
     assert skip.topics == (CAMERAS[1],) and "'yuv422'" in str(skip)
 
 
+def test_a_decode_error_that_names_its_topic_is_not_prefixed_with_it_again():
+    """The decoders name the topic inside their message ("image on '<topic>': ..."): the
+    skip reason carries it once."""
+    sync = _with_undecodable_frame(CAMERAS[1])
+    skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert str(skip).count(CAMERAS[1]) == 1, str(skip)
+
+
 def test_a_frame_below_min_image_size_is_refused_until_a_big_enough_one_arrives():
     sync = _sync(min_image_size=(4, 4))
     for topic in CAMERAS:

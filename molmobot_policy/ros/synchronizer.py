@@ -533,8 +533,9 @@ class ObservationSynchronizer:
             topic, frame = item
             try:
                 image = self._decode(frame.msg, topic)
-            except ValueError as bad:     # named by its topic (the decoders name it already)
-                return bad if str(bad).startswith(topic) else ValueError(f'{topic}: {bad}')
+            except ValueError as bad:     # named by its topic once (the decoders name it)
+                return bad if repr(topic) in str(bad) or str(bad).startswith(topic) \
+                    else ValueError(f'{topic}: {bad}')
             if image.shape[0] < min_h or image.shape[1] < min_w:
                 return ValueError(f'{topic}: a {image.shape[0]}x{image.shape[1]} frame, smaller '
                                   f'than min_image_size {min_h}x{min_w} (height x width): a '

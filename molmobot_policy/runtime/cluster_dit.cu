@@ -6,7 +6,7 @@
 // by columns over its CTAs (CTA r holds columns [r * CW, (r + 1) * CW)); all clusters compute
 // the same bits of x (same inputs, same summation order). Per block, CTA (h, r):
 //   LN1: xm = x * (1 + scale1) and the row sums of its columns to every CTA of the cluster
-//        (distributed shared memory, one cluster barrier);
+//        (one bulk copy per peer into its distributed shared memory, awaited on an mbarrier);
 //   q|k|v of head h: 4 or 5 of the head's 36 n-tiles of 8 columns (LayerNorm in the epilogue:
 //        rstd * (xm W^T - mean u) + v + b, u = W (1 + scale), v = W shift) -> every CTA;
 //   self-attention of head h (every CTA, redundantly, float32);
@@ -44,7 +44,10 @@ constexpr int MAX_KV_SLOTS = 4;
 constexpr int KEYMAX = MAX_KV_SLOTS * GROUPS_PER_SLOT * 16;   // 256 keys per CTA
 constexpr int QKV_NT = 3 * HD / 8;        // 36 n-tiles of a head's q|k|v
 constexpr int Q2_NT = HD / 8;             // 12
-constexpr int LDX = D + 8, LDQKV = 3 * HD + 8, LDH = HD + 8, LDA = FH + 8, LDP = KEYMAX + 8;
+constexpr int LDB = CW + 8;               // row stride of a rank's block of the LayerNorm input
+constexpr int XB_ROWS_BYTES = MR * LDB * 2;                // its bf16 rows
+constexpr int XB_BYTES = XB_ROWS_BYTES + MR * 8;           // + its float2 row sums: one copy
+constexpr int LDQKV = 3 * HD + 8, LDH = HD + 8, LDA = FH + 8, LDP = KEYMAX + 8;
 constexpr int OD = HD / R;                // head dims whose cross-attention combine a CTA owns (12)
 constexpr int LDS = 24;                   // self-attention probabilities (bf16 16 x 16, padded)
 constexpr int RING = 11;
@@ -61,9 +64,8 @@ constexpr int OP_BYTES = 2768, OP_CHUNKS = OP_BYTES / 16;    // 173 copies of 16
 
 // shared memory, byte offsets
 constexpr int OFF_RING = 0;
-constexpr int OFF_XA = OFF_RING + RING * SLOT;          // bf16 MR x LDX
-constexpr int OFF_STATS = OFF_XA + MR * LDX * 2;        // float2 R x MR
-constexpr int OFF_XS = OFF_STATS + R * MR * 8;          // float MR x CW
+constexpr int OFF_XA = OFF_RING + RING * SLOT;          // R blocks of XB_BYTES (see ln_broadcast)
+constexpr int OFF_XS = OFF_XA + R * XB_BYTES;           // float MR x CW
 constexpr int OFF_QKV = OFF_XS + MR * CW * 4;           // bf16 MR x LDQKV
 constexpr int OFF_OH = OFF_QKV + MR * LDQKV * 2;        // bf16 MR x LDH
 constexpr int OFF_Q2 = OFF_OH + MR * LDH * 2;           // bf16 MR x LDH
@@ -75,9 +77,10 @@ constexpr int RED_BYTES = 12288;
 constexpr int OFF_MRS = OFF_RED + RED_BYTES;            // float 2 x MR
 constexpr int OFF_OPS = OFF_MRS + 2 * MR * 4;           // 2 x OP_BYTES
 constexpr int OFF_MB = OFF_OPS + 2 * OP_BYTES;          // bf16 KEYMAX: this CTA's mask bias
-constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING
-constexpr int SMEM_BYTES = OFF_BARS + RING * 8;
+constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN barrier
+constexpr int SMEM_BYTES = OFF_BARS + (RING + 1) * 8;
 static_assert(MR * LDP * 2 <= MR * LDA * 2, "probabilities must fit in ah");
+static_assert(XB_ROWS_BYTES % 16 == 0 && XB_BYTES % 16 == 0, "bulk copies of 16-byte units");
 static_assert(OFF_XA % 128 == 0 && OFF_RED % 16 == 0 && OFF_OPS % 16 == 0 && OFF_BARS % 8 == 0,
               "alignment");
 static_assert(SMEM_BYTES <= 232448, "shared memory");
@@ -124,6 +127,21 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned b
                  " [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes),
                  "r"(smem_u32(bar)) : "memory");
 }
+// this CTA's shared-memory address addr as the same offset in the shared memory of CTA rank
+__device__ __forceinline__ unsigned mapa(unsigned addr, unsigned rank) {
+    unsigned out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+    return out;
+}
+// bytes from this CTA's shared memory to the same offset in CTA rank's, completing on that CTA's
+// mbarrier bar (the same offset as ours)
+__device__ __forceinline__ void bulk_copy_to_peer(const void *src, unsigned bytes, uint64_t *bar,
+                                                  unsigned rank) {
+    const unsigned s = smem_u32(src);
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n" ::"r"(mapa(s, rank)), "r"(s), "r"(bytes),
+                 "r"(mapa(smem_u32(bar), rank)) : "memory");
+}
 __device__ __forceinline__ void prefetch_l2(const void *src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
@@ -150,6 +168,13 @@ __device__ __forceinline__ void load_a(uint32_t a[4], const bf16 *A, int ld, int
     a[1] = *reinterpret_cast<const uint32_t *>(p + 8 * ld);
     a[2] = *reinterpret_cast<const uint32_t *>(p + 8);
     a[3] = *reinterpret_cast<const uint32_t *>(p + 8 * ld + 8);
+}
+
+// the same from the LayerNorm input: R blocks of MR x LDB (rank j holds k [j CW, (j + 1) CW)); a
+// k-step of 16 never straddles two blocks (CW = 96)
+__device__ __forceinline__ void load_a_blocked(uint32_t a[4], const bf16 *A, int k0, int g, int t) {
+    const int blk = k0 / CW;
+    load_a(a, A + blk * (XB_BYTES / 2), LDB, k0 - blk * CW, g, t);
 }
 
 // the per-CTA stream: items 0 .. nb * ipb - 1, item i in ring slot i % RING
@@ -283,12 +308,12 @@ __device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, i
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// y = A (MR x KS*16, shared, row stride lda) @ W^T over NT n-tiles of 8 (ntv of them valid),
+// y = A (MR x KS*16, shared, row stride lda; BLK: the LayerNorm input's blocks) @ W^T over NT n-tiles of 8 (ntv of them valid),
 // W's B fragments packed (n-tile, k-step, lane, 4 halves) in the ring from item it0 on (an
 // n-tile never straddles two slots). Warps: NSPLIT groups of n-tiles x (8 / NSPLIT) K ranges;
 // partials summed in fixed order; then epi(row, col, v0, v1) for column pairs of the valid
 // n-tiles. The slots may be reused once it returns.
-template <int NT, int KS, int NSPLIT, class Epi>
+template <int NT, int KS, int NSPLIT, bool BLK = false, class Epi>
 __device__ __forceinline__ void gemm(const bf16 *A, int lda, const Ring &ring, int it0, int ntv,
                                      float *red, Epi epi) {
     constexpr int KSPLIT = WARPS / NSPLIT, NTW = NT / NSPLIT, KSW = KS / KSPLIT, NC = NT * 8;
@@ -310,7 +335,8 @@ __device__ __forceinline__ void gemm(const bf16 *A, int lda, const Ring &ring, i
 #pragma unroll 4
     for (int s = kg * KSW; s < (kg + 1) * KSW; ++s) {
         uint32_t a[4];
-        load_a(a, A, lda, s * 16, g, t);
+        if (BLK) load_a_blocked(a, A, s * 16, g, t);
+        else load_a(a, A, lda, s * 16, g, t);
 #pragma unroll
         for (int j = 0; j < NTW; ++j) {
             if (ng * NTW + j < ntv) {
@@ -366,12 +392,20 @@ __device__ __forceinline__ void broadcast_pair(cg::cluster_group &cluster, bf16 
         *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(buf, dst) + offset) = y;
 }
 
-// xm = x * (1 + scale) of this CTA's columns and their row sums / sums of squares, to every CTA
-// of the cluster; then the row statistics (mean, 1 / std) from all of them into mrs
-__device__ __forceinline__ void ln_broadcast(cg::cluster_group &cluster, const float *xs,
-                                             const bf16 *scale, bf16 *xa, float2 *stats,
-                                             float *mrs, int r, float eps) {
+// xm = x * (1 + scale) of this CTA's columns (bf16) and their row sums / sums of squares
+// (float32) into this CTA's block of xa (R blocks of XB_BYTES: rank j's MR x LDB rows, then its
+// MR float2 sums), then that block to the same place in every other CTA of the cluster by one
+// bulk copy each, completing on their LN barrier; waits for the R - 1 blocks coming in (phase
+// parity of this LayerNorm: the kernel's LayerNorms alternate it). Then the row statistics
+// (mean, 1 / std) from all blocks into mrs. No cluster barrier: a block is overwritten only
+// after the cluster barrier that follows each LayerNorm-fed GEMM (every CTA has read its xa and
+// every copy into it has landed).
+__device__ __forceinline__ void ln_broadcast(const float *xs, const bf16 *scale,
+                                             unsigned char *xab, float *mrs, int r, float eps,
+                                             uint64_t *bar, unsigned parity) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    unsigned char *mine = xab + r * XB_BYTES;
+    bf16 *xm = reinterpret_cast<bf16 *>(mine);
     for (int e = tid; e < MR * CW / 8; e += THREADS) {
         const int row = e / (CW / 8), c8 = (e % (CW / 8)) * 8;
         const float *x = xs + row * CW + c8;
@@ -381,11 +415,9 @@ __device__ __forceinline__ void ln_broadcast(cg::cluster_group &cluster, const f
         for (int i = 0; i < 4; ++i)
             o[i] = __floats2bfloat162_rn(x[2 * i] * (1.f + bf(scale, c8 + 2 * i)),
                                          x[2 * i + 1] * (1.f + bf(scale, c8 + 2 * i + 1)));
-#pragma unroll
-        for (int dst = 0; dst < R; ++dst)
-            *reinterpret_cast<uint4 *>(cluster.map_shared_rank(xa, dst) + row * LDX + r * CW + c8)
-                = packed;
+        *reinterpret_cast<uint4 *>(xm + row * LDB + c8) = packed;
     }
+    float2 *sums = reinterpret_cast<float2 *>(mine + XB_ROWS_BYTES);
     for (int row = warp; row < MR; row += WARPS) {
         float s = 0.f, q = 0.f;
         for (int c = lane; c < CW; c += 32) {
@@ -398,14 +430,21 @@ __device__ __forceinline__ void ln_broadcast(cg::cluster_group &cluster, const f
             s += __shfl_xor_sync(0xffffffffu, s, m);
             q += __shfl_xor_sync(0xffffffffu, q, m);
         }
-        if (lane < R) cluster.map_shared_rank(stats, lane)[r * MR + row] = make_float2(s, q);
+        if (lane == 0) sums[row] = make_float2(s, q);
     }
-    cluster.sync();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the copies' reads
+    __syncthreads();
+    if (tid < R) {
+        if (tid != r) bulk_copy_to_peer(mine, XB_BYTES, bar, tid);
+        else mbar_expect_tx(bar, (R - 1) * XB_BYTES);
+    }
+    mbar_wait(bar, parity);
     if (tid < MR) {
         float s = 0.f, q = 0.f;
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-            const float2 v = stats[j * MR + tid];
+            const float2 v = reinterpret_cast<const float2 *>(xab + j * XB_BYTES
+                                                              + XB_ROWS_BYTES)[tid];
             s += v.x;
             q += v.y;
         }
@@ -478,8 +517,8 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     cg::cluster_group cluster = cg::this_cluster();
     const int r = (int)cluster.block_rank(), h = blockIdx.x / R;
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16 *xa = reinterpret_cast<bf16 *>(smem + OFF_XA);
-    float2 *stats = reinterpret_cast<float2 *>(smem + OFF_STATS);
+    unsigned char *xab = smem + OFF_XA;
+    const bf16 *xa = reinterpret_cast<const bf16 *>(xab);
     float *xs = reinterpret_cast<float *>(smem + OFF_XS);
     bf16 *qkv = reinterpret_cast<bf16 *>(smem + OFF_QKV);
     bf16 *oh = reinterpret_cast<bf16 *>(smem + OFF_OH);
@@ -502,8 +541,9 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     unsigned *ctr = p.counters + r * 32;
     const bool exchange = !(p.mode & 2);
     int issued = ring.on ? 0 : st.total;
+    uint64_t *lnbar = reinterpret_cast<uint64_t *>(smem + OFF_BARS) + RING;
     if (tid == 0) {
-        for (int s = 0; s < RING; ++s) mbar_init(ring.bars + s, 1);
+        for (int s = 0; s < RING + 1; ++s) mbar_init(ring.bars + s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -535,11 +575,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         const bf16 *opb = reinterpret_cast<const bf16 *>(ops);
         const float *opf = reinterpret_cast<const float *>(ops);
         // ---- self-attention
-        ln_broadcast(cluster, xs, opb + OP_SC1 / 2, xa, stats, mrs, r, p.eps);
+        ln_broadcast(xs, opb + OP_SC1 / 2, xab, mrs, r, p.eps, lnbar, (3 * b) & 1);
         STAMP(1);
         for (int i = 0; i < ntv; ++i) ring.wait(it0 + i);
         STAMP(2);
-        gemm<6, D / 16, 2>(xa, LDX, ring, it0, ntv, red,
+        gemm<6, D / 16, 2, true>(xa, LDB, ring, it0, ntv, red,
             [&](int row, int col, float a0, float a1) {
                 const int jj = j0 + col / 8, part = jj / Q2_NT, w = (jj % Q2_NT) * 8 + col % 8;
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_QU / 4,
@@ -620,10 +660,10 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         residual_update(p, 0, r, opb + OP_BO1 / 2, opb + OP_G1 / 2, xs);
         STAMP(8);
         // ---- cross-attention
-        ln_broadcast(cluster, xs, opb + OP_SC2 / 2, xa, stats, mrs, r, p.eps);
+        ln_broadcast(xs, opb + OP_SC2 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 1) & 1);
         STAMP(9);
         for (int i = 0; i < ntv2; ++i) ring.wait(it0 + 7 + i);
-        gemm<2, D / 16, 1>(xa, LDX, ring, it0 + 7, ntv2, red,
+        gemm<2, D / 16, 1, true>(xa, LDB, ring, it0 + 7, ntv2, red,
             [&](int row, int col, float a0, float a1) {
                 const int w = (q0 + col / 8) * 8 + col % 8;
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_CU / 4,
@@ -790,11 +830,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(18);
         residual_update(p, 1, r, opb + OP_BO2 / 2, opb + OP_G2 / 2, xs);
         // ---- MLP
-        ln_broadcast(cluster, xs, opb + OP_SC3 / 2, xa, stats, mrs, r, p.eps);
+        ln_broadcast(xs, opb + OP_SC3 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 2) & 1);
         STAMP(19);
         for (int i = 0; i < 6; ++i) ring.wait(itw + 2 + i);
         STAMP(20);
-        gemm<6, D / 16, 2>(xa, LDX, ring, itw + 2, 6, red,
+        gemm<6, D / 16, 2, true>(xa, LDB, ring, itw + 2, 6, red,
             [&](int row, int col, float a0, float a1) {
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_FU / 4,
                                                      opf + OP_FV / 4, opb + OP_FB / 2, mrs[row],
