@@ -757,6 +757,39 @@ def test_waiting_for_the_clock_is_reported_every_few_seconds():
                                   abs=2 * POLL_S)
 
 
+def test_sim_time_standing_still_is_reported_then_repeated_rarely_then_its_resumption():
+    """/clock stops mid-run (sim time reads 1002 s from timer 1002 to 1080 s): the loop says so
+    after CLOCK_REPORT_S, again every STANDSTILL_REPEAT_S, publishes nothing meanwhile, and
+    says once that the clock moves again; then chunks come again."""
+    from molmobot_policy.timing.loop import CLOCK_REPORT_S, STANDSTILL_REPEAT_S
+    clock = FakeClock()
+    stop_at, resume_at = 1002.0, 1080.0
+
+    def sim():
+        t = clock()
+        return t if t < stop_at else stop_at if t < resume_at else t - (resume_at - stop_at)
+    stopped, resumed = [], []
+
+    class Events(Recorder):
+        def clock_stopped(self, now, seconds):
+            stopped.append((now, seconds, len(self.reports)))
+
+        def clock_resumed(self, now, seconds):
+            resumed.append((now, seconds, len(self.reports)))
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    events = Events(event, chunks=4)
+    loop = make_loop(sim, event, robot, events, sim_time=lambda: True, timer=clock)
+    loop.run()
+    standstill = resume_at - stop_at
+    assert [round(s[1]) for s in stopped] == [round(CLOCK_REPORT_S + k * STANDSTILL_REPEAT_S)
+                                              for k in range(3)]
+    assert all(now == stop_at for now, _, _ in stopped)
+    assert len({count for _, _, count in stopped}) == 1          # nothing published meanwhile
+    assert len(resumed) == 1 and resumed[0][1] == pytest.approx(standstill, abs=2 * POLL_S)
+    assert len(events.reports) > resumed[0][2]                  # chunks again after it
+
+
 def test_a_refused_measurement_skips_the_tick_before_stitching():
     """`measured` raising ValueError (a non-finite or stale action-joint position) skips the
     tick with its message: nothing is sent and the stitcher keeps no unpublished chunk."""

@@ -58,12 +58,14 @@ STARTUP_TIMEOUT = 90.0       # import torch + build + warm up the tiny model on 
 
 class SimClock:
     """Sim time published on /clock every 10 ms once started: SIM_START + wall seconds since
-    start + `shift` (s; lower it to jump back)."""
+    start + `shift` (s; lower it to jump back). `paused` stops the messages (a paused
+    simulator); `resume()` goes on from where it stood."""
 
     def __init__(self, node) -> None:
         self._publisher = node.create_publisher(Clock, '/clock', 10)
         self._started = None
         self.shift = 0.0
+        self.paused = None          # sim time it stands at, while paused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -75,12 +77,21 @@ class SimClock:
         """Sim time, s, or None before start."""
         if self._started is None:
             return None
+        if self.paused is not None:
+            return self.paused
         return SIM_START + time.monotonic() - self._started + self.shift
+
+    def pause(self) -> None:
+        self.paused = self.now()
+
+    def resume(self) -> None:
+        stood, self.paused = self.paused, None
+        self.shift -= self.now() - stood
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
             now = self.now()
-            if now is not None:
+            if now is not None and self.paused is None:
                 msg = Clock()
                 msg.clock.sec, msg.clock.nanosec = int(now), int(now % 1 * 1e9)
                 self._publisher.publish(msg)
@@ -279,6 +290,30 @@ def test_a_clock_jump_back_is_detected_at_once_and_publishing_resumes(policy, ro
                     if stamp_seconds(msg.header.stamp) < before - 5.0]
     assert RosHarness.wait_for(new_timeline, 8.0), policy.log()[start:]
     assert time.monotonic() - jumped_at < 9.0      # the old time base would take 10 s
+    assert policy.running()
+
+
+# ------------------------------------------------------------------ /clock stops
+def test_sim_time_standing_still_is_logged_and_its_resumption_too(policy, robot):
+    """/clock stops for ~5 s mid-run (a paused simulator): the node logs it, sends nothing
+    meanwhile, says when ROS time moves again, and chunks come again."""
+    assert RosHarness.wait_for(lambda: robot.trajectories, 15.0)
+    start = len(policy.log())
+    robot.clock.pause()
+    stood = robot.clock.now()
+    try:
+        assert policy.wait_for_log('ROS time has stood at', 8.0, start=start), \
+            policy.log()[start:]
+        with robot.lock:
+            chunks = len(robot.trajectories)
+        time.sleep(1.0)
+        with robot.lock:
+            assert len(robot.trajectories) == chunks       # nothing sent while it stands
+    finally:
+        robot.clock.resume()
+    assert policy.wait_for_log('ROS time moves again', 5.0, start=start), policy.log()[start:]
+    assert RosHarness.wait_for(lambda: any(stamp_seconds(msg.header.stamp) > stood
+                                           for _, msg in robot.trajectories[chunks:]), 10.0)
     assert policy.running()
 
 

@@ -327,6 +327,23 @@ def test_bad_configuration_is_rejected():
         ObservationSynchronizer(['/a'], [])
 
 
+def test_the_receive_rate_starts_over_when_ros_time_starts_or_goes_back():
+    """Messages received before /clock (ROS time 0) or before a jump back do not enter the
+    rate of the new time base (a 1000 s span would read ~0 Hz until they age out)."""
+    sync = _sync()
+    for _ in range(5):                                  # sim time not started: received at 0
+        sync.add_image(CAMERAS[0], _image(1), 0.0, 0.0)
+    for k in range(3):
+        t = 1000.0 + 0.1 * k
+        sync.add_image(CAMERAS[0], _image(1), t, t)
+    assert sync.stats(now=1000.2)[CAMERAS[0]].rate_hz == pytest.approx(10.0)
+    for k in range(3):                                  # 10 s back
+        t = 990.5 + 0.1 * k
+        sync.add_image(CAMERAS[0], _image(1), t, t)
+    assert sync.stats(now=990.7)[CAMERAS[0]].rate_hz == pytest.approx(10.0)
+    assert sync.stats(now=990.7)[CAMERAS[0]].count == 11
+
+
 def test_stats_report_rate_age_and_count_per_topic():
     sync = _sync()
     for k in range(11):

@@ -65,6 +65,15 @@ class LoopReport(LoopEvents):
         self._log().warning(f'waiting for /clock for {seconds:.0f} s: use_sim_time is true and '
                             'ROS time has not started; nothing is published until it does')
 
+    def clock_stopped(self, now: float, seconds: float) -> None:
+        self._log().warning(f'ROS time has stood at {now:.3f} s for {seconds:.0f} s: no /clock '
+                            'message (use_sim_time is true; a paused or stopped simulator?); '
+                            'nothing is published until it moves')
+
+    def clock_resumed(self, now: float, seconds: float) -> None:
+        self._log().info(f'ROS time moves again ({now:.3f} s) after standing still for '
+                         f'{seconds:.1f} s')
+
     def published(self, report) -> None:
         node = self._node
         node.chunks_published_total += 1

@@ -31,6 +31,9 @@ PROBLEM_CLEAR_S = 0.2  # an input's problem ends after this long of usable messa
                        # driver that interleaves bad and good messages (a NaN now and then)
                        # keeps its problem's start, so its status escalates to ERROR as a
                        # steady problem does, instead of restarting WARN at each good one
+RATE_RESTART_S = 1.0   # a receive time this far before the last one is ROS time gone back (sim
+                       # time restarted): the rate window starts over. Smaller steps back are
+                       # callbacks on two threads stamping out of order, not a new time base
 DECODE_THREADS = 8     # the decode pool: one thread per camera of the 8-camera contract
 _decode_pool: ThreadPoolExecutor | None = None
 _decode_pool_lock = threading.Lock()
@@ -410,7 +413,10 @@ class ObservationSynchronizer:
             self._clean_since.clear()
 
     def _note_receive(self, topic: str, received: float) -> None:
-        self._receive_times[topic].append(received)
+        times = self._receive_times[topic]
+        if times and (received < times[-1] - RATE_RESTART_S or times[0] <= 0.0 < received):
+            times.clear()       # ROS time went back or just started: a new time base
+        times.append(received)
         self._counts[topic] += 1
 
     # ------------------------------------------------------------------- build (worker)

@@ -34,7 +34,11 @@ deadline: the chunk built for the old time base is dropped, never published, and
 schedule, the stitcher and the observation gate restart from the new time
 (`LoopEvents.clock_jumped` first: the caller forgets its stored inputs there). Before the
 clock starts (sim time before the first /clock message reads 0) the loop waits and says so
-every CLOCK_REPORT_S of `timer` time (`LoopEvents.waiting_for_clock`).
+every CLOCK_REPORT_S of `timer` time (`LoopEvents.waiting_for_clock`). Under sim time, a
+clock that reads the same value for CLOCK_REPORT_S of `timer` time while the loop waits
+(/clock stopped: a paused or crashed simulator) is reported then and every
+STANDSTILL_REPEAT_S after (`LoopEvents.clock_stopped`), and once when it moves again
+(`LoopEvents.clock_resumed`); nothing is published meanwhile, since no deadline comes.
 
 Delay clues (`debug_timing`): how late the last timed wait before the deadline returned,
 the worker's run-queue wait from before that wait to after the publish (Linux schedstat,
@@ -87,7 +91,10 @@ OUTLIER_FACTOR = 3.0        # a latency above this times the window's median is 
 QUIET_MAX_S = BUSY_WAIT_S + 0.004   # the longest another thread waits out a publish window
 STALL_TRACE_S = 0.001      # debug_timing: a polling-tail gap longer than this names where the
                             # other threads were when it ended (`other_threads`)
-CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds)
+CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds),
+                            # and after this long that sim time stopped
+STANDSTILL_REPEAT_S = 30.0  # then say it again this often (timer seconds): a paused simulator
+                            # is not an emergency to log every few seconds
 
 
 class QuietWindow:
@@ -275,6 +282,9 @@ class PolicyLoop:
         self.scheduler: Optional[DeadlineScheduler] = None     # once the clock runs
         self._last_now = -np.inf
         self._jumped: Optional[float] = None     # s the clock went back, until restarted
+        self._clock_seen: Optional[float] = None     # sim time: the last value read, and
+        self._clock_since = 0.0                      # the timer when it was first read
+        self._standstill_said: Optional[float] = None    # timer of the last clock_stopped
         self.wake_late: Optional[float] = None   # s, the last timed wait's lateness
         self.tail_stall: Optional[float] = None  # s, the polling tail's longest gap
         self.stalled_threads = ''                # other_threads() after that gap
@@ -332,6 +342,8 @@ class PolicyLoop:
         aim = polled = accounted = None
         while not self._stop.is_set():
             now = self._now()
+            if sim:
+                self._watch_standstill(now)
             if measure and polled is not None:      # in the polling tail
                 gap = now - polled
                 previous, accounted = accounted, self._account()
@@ -363,6 +375,21 @@ class PolicyLoop:
                 polled = now
                 yield_cpu()
         return Wait.STOPPED
+
+    def _watch_standstill(self, now: float) -> None:
+        """Sim time: `clock_stopped` once the clock has read `now` for CLOCK_REPORT_S of
+        timer time, then every STANDSTILL_REPEAT_S; `clock_resumed` when it moves after that."""
+        timer = self._timer()
+        if now != self._clock_seen:
+            if self._standstill_said is not None:
+                self._events.clock_resumed(now, timer - self._clock_since)
+            self._clock_seen, self._clock_since, self._standstill_said = now, timer, None
+            return
+        standstill = timer - self._clock_since
+        if standstill >= CLOCK_REPORT_S and (self._standstill_said is None or
+                                             timer - self._standstill_said >= STANDSTILL_REPEAT_S):
+            self._standstill_said = timer
+            self._events.clock_stopped(now, standstill)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:

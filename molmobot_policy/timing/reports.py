@@ -115,6 +115,13 @@ class LoopEvents:
     def waiting_for_clock(self, seconds: float) -> None:
         """The clock has not started after `seconds` (timer time): nothing is published."""
 
+    def clock_stopped(self, now: float, seconds: float) -> None:
+        """Sim time has read `now` (s) for `seconds` of timer time: no /clock, nothing is
+        published."""
+
+    def clock_resumed(self, now: float, seconds: float) -> None:
+        """Sim time moves again (now `now`, s) after a reported standstill of `seconds`."""
+
     def published(self, report: ChunkReport) -> None:
         """A chunk was sent."""
 
