@@ -186,3 +186,11 @@ def test_chunk_gap_warns_when_a_chunk_ends_before_the_next_arrives():
     assert 'stands still ~0.80 s between chunks' in message and 'control_period' in message
     assert chunk_gap(16, 0.1, 1.0, 0.3) == ''      # 1.6 s - 0.3 s lead covers 1.0 s
     assert chunk_gap(0, 0.1, 1.0, 0.3) == ''       # horizon unknown (a stand-in engine)
+
+
+def test_chunk_gap_says_plainly_when_every_action_is_past_at_publish():
+    """control_period 0.01 s: 16 actions span 0.16 s, less than a 0.4 s lead (third
+    fresh-user trial: only 'stop and go' was said, then every tick was skipped)."""
+    from molmobot_policy.timing.chunking import chunk_gap
+    assert chunk_gap(16, 0.01, 1.5, 0.4).startswith('no chunk can be published: its 16 '
+                                                    'actions x control_period 0.01 s')

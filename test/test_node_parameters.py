@@ -457,6 +457,41 @@ def test_compressed_cameras_are_subscribed_on_the_compressed_subtopic():
         ('/a/image_raw', False), ('/b/image_raw/compressed', True)]
 
 
+def test_the_action_joints_with_an_infinite_velocity_limit_are_named_but_the_gripper():
+    from molmobot_policy.ros.parameters import PARAMETERS as P, unlimited_velocity_joints
+    names = list(P['action_joint_names'][0])
+    assert unlimited_velocity_joints(_values()) == []
+    inf = float('inf')
+    assert unlimited_velocity_joints(_values(max_joint_velocity=[inf])) == names
+    per_joint = [1.0] * 5 + [inf, inf]
+    assert unlimited_velocity_joints(_values(max_joint_velocity=per_joint,
+                                             gripper_index=6)) == [names[5]]
+
+
+@pytest.mark.parametrize('changes, message', [
+    ({'max_joint_velocity': [0.0]}, 'max_joint_velocity must be > 0 (inf: no limit)'),
+    ({'joint_position_min': [1.0], 'joint_position_max': [0.0]},
+     'joint_position_min must be <= joint_position_max per joint'),
+])
+def test_a_bad_motion_limit_is_named_by_its_parameter_alone(changes, message):
+    from molmobot_policy.ros.parameters import motion_limiter
+    with pytest.raises(ValueError) as error:
+        motion_limiter(_values(**changes))
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_a_joint_named_twice_in_joint_names_is_refused_as_such():
+    """Not as an action joint missing from joint_names (with a 'did you mean' pointing
+    elsewhere), which the check of action_joint_names said first (third fresh-user trial)."""
+    from molmobot_policy.ros.parameters import PARAMETERS as P, ParameterError, \
+        check_parameter_values
+    joints = list(P['joint_names'][0])
+    joints[2] = joints[1]
+    with pytest.raises(ParameterError, match=rf"joint_names.*names \['{joints[1]}'\] more than "
+                                             'once'):
+        check_parameter_values(_values(joint_names=joints))
+
+
 def test_an_empty_yaml_list_means_no_position_limits():
     """rcl hands `joint_position_min: []` from a parameter file to rclpy as no value (None)."""
     from molmobot_policy.ros.parameters import motion_limiter
@@ -599,6 +634,24 @@ def test_a_read_only_parameter_set_at_run_time_is_refused_and_logged(ros_context
         warnings.clear()        # a dynamic one is not called read-only
         assert node.set_parameters([Parameter('max_image_age', value=0.7)])[0].successful
         assert not any('read-only' in w for w in warnings), warnings
+    finally:
+        node.destroy_node()
+
+
+def test_use_sim_time_set_at_run_time_is_refused_and_the_clock_stays(ros_context):
+    """Switching it on a running node made ROS time jump by the epoch and left the camera
+    receiver process (refused under sim time) running (third fresh-user trial)."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_sim_time_set')
+    try:
+        warnings = []
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
+        result = node.set_parameters([Parameter('use_sim_time', value=True)])[0]
+        assert not result.successful and 'set at start only' in result.reason
+        assert any("refused run-time set: 'use_sim_time' is set at start only" in w
+                   for w in warnings), warnings
+        assert node.get_parameter('use_sim_time').value is False
+        assert not node.get_clock().ros_time_is_active
+        assert node.set_parameters([Parameter('use_sim_time', value=False)])[0].successful
     finally:
         node.destroy_node()
 

@@ -438,6 +438,23 @@ def test_configure_warns_when_no_joint_position_limit_is_set(graph, limits):
     assert (NO_POSITION_LIMITS in g.log.text('warning')) == (not limits), g.log.text()
 
 
+def test_configure_warns_naming_the_joints_without_a_velocity_limit(graph):
+    g = graph('safety_inf_velocity', allow_random_weights=True,
+              max_joint_velocity=[1.0] * 6 + [float('inf')])
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert f"max_joint_velocity is infinite for action joints ['{JOINTS[6]}']" \
+        in g.log.text('warning'), g.log.text()
+
+
+def test_configure_warns_when_gripper_index_points_at_a_joint_not_named_like_a_gripper(graph):
+    """A slip in gripper_index made an arm joint an unlimited open / closed command, silently
+    (third fresh-user trial)."""
+    g = graph('safety_gripper_arm', allow_random_weights=True, gripper_index=6)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert f"gripper_index 6 points at '{JOINTS[6]}', whose name does not look like a " \
+        "gripper's" in g.log.text('warning'), g.log.text()
+
+
 def test_an_arm_measured_outside_its_position_limits_is_named_in_a_warning(graph):
     g = graph('safety_outside', allow_random_weights=True, joint_position_max=[0.1])
     g.positions[JOINTS[2]] = 0.5              # beyond joint_position_max

@@ -180,6 +180,40 @@ def test_gripper_index_outside_action_dims_is_an_error(index):
         contract(gripper_index=index).check(TINY)
 
 
+ARM = [f'arm_j{i}' for i in range(1, 8)] + ['finger_joint']
+
+
+def test_a_gripper_index_at_a_joint_not_named_like_a_gripper_is_warned_about():
+    """gripper_index 6 (a slip for 7) binarizes arm_j7: WARN naming it and the index."""
+    notes = contract(joint_names=ARM, gripper_index=6).notes(TINY)
+    warns = [line for level, line in notes if level == 'WARN']
+    assert len(warns) == 1 and "'arm_j7'" in warns[0] and 'gripper_index 6' in warns[0]
+    assert any(level == 'INFO' and "'arm_j7' is commanded as a gripper" in line
+               for level, line in notes)
+
+
+def test_a_gripper_index_at_a_gripper_joint_is_described_not_warned_about():
+    notes = contract(joint_names=ARM, gripper_index=7, gripper_open=0.04,
+                     gripper_closed=0.0).notes(TINY)
+    assert [level for level, _ in notes] == ['INFO']
+    assert "'finger_joint' is commanded as a gripper, 0.04 (open) or 0.0 (closed" in notes[0][1]
+
+
+def test_fewer_joints_than_the_model_takes_are_noted_with_the_dimensions_padded_or_dropped():
+    notes = dict((line.split(' ')[0], (level, line))
+                 for level, line in contract(joint_names=ARM[:6]).notes(TINY))
+    assert notes['joint_names'][0] == 'INFO' and 'state dimensions 6..7 are fed as 0' \
+        in notes['joint_names'][1]
+    assert 'action dimensions 6..7 are not published' in notes['action_joint_names'][1]
+    assert contract(joint_names=ARM).notes(TINY) == []
+
+
+def test_a_gripper_index_beyond_the_action_joints_is_warned_about():
+    notes = contract(joint_names=ARM[:7], gripper_index=7).notes(TINY)
+    assert ('WARN', 'gripper_index 7 is an action dimension no action joint receives '
+                    '(action_joint_names has 7): no gripper command is published') in notes
+
+
 def test_postprocess_rejects_wrong_action_width():
     with pytest.raises(ValueError, match=r'\(horizon, 8\)'):
         transforms().postprocess(np.zeros((16, 7), np.float32))

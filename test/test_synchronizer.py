@@ -75,6 +75,17 @@ def test_missing_joint_is_named_in_skip():
     assert "'finger'" in str(skip) and '/joint_states' in skip.topics
 
 
+def test_a_joint_state_refused_from_the_start_is_named_with_its_refusal_not_as_lacking():
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 0.0, 10.0)      # stamp unset
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and 'lacks' not in str(skip)
+    assert f'has no usable position for joints {list(JOINTS)}' in str(skip)
+    assert 'header stamp unset (0)' in str(skip)
+
+
 def test_joint_state_never_received_says_so_in_skip():
     sync = _sync()
     for topic in CAMERAS:

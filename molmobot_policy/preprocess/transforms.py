@@ -41,6 +41,9 @@ def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
     return names
 
 
+GRIPPER_WORDS = ('grip', 'finger', 'hand', 'jaw', 'claw', 'effector')   # RobotContract.notes
+
+
 @dataclass(frozen=True)
 class RobotContract:
     """How one robot maps onto a model's inputs and outputs (plain data, checked against a
@@ -107,6 +110,45 @@ class RobotContract:
         if not -1 <= self.gripper_index < model.action_dim:
             raise ValueError(f'gripper_index={self.gripper_index} is not an action dimension of '
                              f'the model (0..{model.action_dim - 1}, or -1 for off)')
+
+    def notes(self, model) -> list[tuple[str, str]]:
+        """What this valid contract (`check` passed) does that a user may not mean, as
+        (level, line) pairs for the configure log, level 'INFO' or 'WARN': state dimensions
+        fed as zeros (fewer joint_names than state_dim: upstream pads so too), action
+        dimensions not published (fewer action_joint_names than action_dim), which joint
+        `gripper_index` drives with its commands and the motion limits it is exempt from, and
+        a WARN where that joint's name does not look like a gripper (GRIPPER_WORDS): a
+        one-digit slip in gripper_index would turn an arm joint into an open / closed
+        command. model: the `MolmoBotConfig` it was checked against."""
+        notes = []
+        joints, actions = len(self.joint_names), len(self.action_joint_names)
+        if joints < model.state_dim:
+            notes.append(('INFO', f'joint_names has {joints} joints, the model state '
+                                  f'state_dim={model.state_dim}: state dimensions {joints}..'
+                                  f'{model.state_dim - 1} are fed as 0 (normalized)'))
+        if actions < model.action_dim:
+            notes.append(('INFO', f'action_joint_names has {actions} joints, the model acts in '
+                                  f'action_dim={model.action_dim}: action dimensions '
+                                  f'{actions}..{model.action_dim - 1} are not published'))
+        g = self.gripper_index
+        if 0 <= g < actions:
+            name = self.action_joint_names[g]
+            notes.append(('INFO', f'gripper_index {g}: action joint {name!r} is commanded as a '
+                                  f'gripper, {self.gripper_open} (open) or '
+                                  f'{self.gripper_closed} (closed: action >= '
+                                  f'{self.gripper_threshold}), exempt from max_joint_velocity '
+                                  'and max_step'))
+            if not any(word in name.lower() for word in GRIPPER_WORDS):
+                notes.append(('WARN', f'gripper_index {g} points at {name!r}, whose name does '
+                                      f'not look like a gripper\'s ({", ".join(GRIPPER_WORDS)}):'
+                                      ' if it is an arm joint, its commands jump between the '
+                                      'open and closed values with no velocity limit. Check '
+                                      'gripper_index (0-based; -1: off)'))
+        elif g >= actions:
+            notes.append(('WARN', f'gripper_index {g} is an action dimension no action joint '
+                                  f'receives (action_joint_names has {actions}): no gripper '
+                                  'command is published'))
+        return notes
 
     def check_camera_count(self, n_images: int) -> None:
         """ValueError unless an observation carries one image per camera."""

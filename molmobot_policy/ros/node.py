@@ -46,7 +46,8 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters, motion_limiter,
                                             type_mismatches, unanchored_action_joints,
-                                            undeclared, widen_integers)
+                                            undeclared, unlimited_velocity_joints,
+                                            widen_integers)
 from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
@@ -157,6 +158,14 @@ class PolicyNode(LifecycleNode):
         new) at INFO, so that a log shows what the node ran with when."""
         notes = {}
         for p in parameters:
+            # the time base of every stamp held, the schedule and the camera receiver's choice
+            # (refused under sim time) follow use_sim_time: only a start sets it
+            if p.name == 'use_sim_time' and p.value != self._param('use_sim_time'):
+                reason = ("'use_sim_time' is set at start only (the stored stamps, the "
+                          'schedule and the camera receiver follow it): set it in the '
+                          'parameter file or the launch and restart the node')
+                self.get_logger().warning(f'refused run-time set: {reason}')
+                return SetParametersResult(successful=False, reason=reason)
             # a new instruction the configured engine cannot serve (too long for its buckets
             # with overlong 'error', or empty) is refused now, not at every later tick; the
             # check tokenizes on the host only, so it is safe while inference runs
@@ -212,6 +221,12 @@ class PolicyNode(LifecycleNode):
             limiter = motion_limiter(self._param)     # ... on bad motion limits
             if limiter.position_min is None and limiter.position_max is None:
                 self.get_logger().warning(NO_POSITION_LIMITS)
+            unlimited = unlimited_velocity_joints(self._param)
+            if unlimited:
+                self.get_logger().warning(
+                    f'max_joint_velocity is infinite for action joints {unlimited}: their '
+                    'points are not velocity-limited, the first one not against the measured '
+                    'state either (a chunk may start with a jump); set the arm\'s limits')
             # before the (possibly long) weight load: the checkpoint's config.yaml only
             contract = check_robot_contract(
                 read_model_config(engine_config), cameras, list(self._param('joint_names')),
@@ -243,6 +258,8 @@ class PolicyNode(LifecycleNode):
                                f'{dict(self.engine.mode)}; first lead '
                                f'{self._latency.lead() * 1e3:.0f} ms')
         self._log_served()
+        for level, note in self.contract.notes(self.engine.model_config):
+            (self.get_logger().warning if level == 'WARN' else self.get_logger().info)(note)
         unanchored = unanchored_action_joints(self._param)
         if unanchored:      # allowed: check_parameter_values refuses them otherwise
             self.get_logger().warning(

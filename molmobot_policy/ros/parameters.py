@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 
 import numpy as np
 
@@ -192,7 +193,9 @@ PARAMETERS = {
     'output_topic': ('~/joint_trajectory', descriptor(
         'trajectory_msgs/JointTrajectory output topic', _S)),
     'publish_float_array': (False, descriptor(
-        'also publish std_msgs/Float32MultiArray (layout: action x joint) on ~/actions', _B)),
+        'also publish each chunk\'s points as std_msgs/Float32MultiArray on ~/actions (layout '
+        'action x joint, robot units, no stamp: row k is for the trajectory\'s header.stamp + '
+        'k x control_period; docs/ROBOT.md)', _B)),
     'gc_freeze': (True, descriptor(
         'after configure, move the start-up heap (model, compiled code) out of the garbage '
         "collector's reach (gc.freeze): full collections then take ms, not hundreds of ms",
@@ -324,8 +327,9 @@ def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:
     if descriptor.floating_point_range or descriptor.integer_range:
         text += f'; {_range_text(descriptor)}'
     if isinstance(default, str) and isinstance(value, bool):
-        text += ('; YAML reads unquoted on/off/yes/no/true/false as booleans: write one of '
-                 'the values listed')
+        text += ('; YAML reads unquoted on/off/yes/no/true/false as booleans: '
+                 + ('write one of the values listed' if descriptor.additional_constraints
+                    else "quote it, e.g. 'yes'"))
     return text
 
 
@@ -378,7 +382,8 @@ def check_parameter_values(parameter) -> None:
     """The checks a descriptor cannot express; `parameter(name)` -> its value.
 
     Raises:
-        ParameterError: camera_topics, joint_names or action_joint_names empty; camera_qos
+        ParameterError: camera_topics, joint_names or action_joint_names empty or naming
+            one twice; camera_qos
             not one of CAMERA_QOS; camera_transports not 1 or one per camera of
             CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min / _max not
             numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per action
@@ -386,8 +391,13 @@ def check_parameter_values(parameter) -> None:
             min_image_size not two pixel counts >= 0.
     """
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
-        if not list(parameter(name)):
-            raise ParameterError(name, list(parameter(name)), 'is empty; list at least one')
+        values = list(parameter(name))
+        if not values:
+            raise ParameterError(name, values, 'is empty; list at least one')
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:        # before the name checks below, which it would confuse
+            raise ParameterError(name, values, f'names {repeated} more than once; each must '
+                                               'appear once')
     unanchored = unanchored_action_joints(parameter)
     if unanchored and not parameter('allow_unanchored_action_joints'):
         joints = list(parameter('joint_names'))
@@ -438,6 +448,16 @@ def unanchored_action_joints(parameter) -> list[str]:
             if k != parameter('gripper_index') and n not in joints]
 
 
+def unlimited_velocity_joints(parameter) -> list[str]:
+    """The action joints (but the `gripper_index` one, exempt by design) whose
+    max_joint_velocity is infinite (`.inf` in YAML): no velocity limit, and no limit on the
+    first point's distance from the measured state; `parameter(name)` -> its value."""
+    velocity = per_joint(parameter, 'max_joint_velocity') or []
+    names = list(parameter('action_joint_names'))
+    return [n for k, (n, v) in enumerate(zip(names, velocity))
+            if k != parameter('gripper_index') and v == float('inf')]
+
+
 def per_joint(parameter, name: str) -> list[float] | None:
     """A per-action-joint list parameter (float or list) as one float per action joint, or
     None when empty (an empty YAML list reaches rclpy as no value: None); `parameter(name)`
@@ -486,9 +506,13 @@ def motion_limiter(parameter) -> MotionLimiter:
                              max_step=step)
     except ParameterError:
         raise
-    except ValueError as error:     # MotionLimiter names max_velocity, position_min/_max
-        raise ValueError(f'max_joint_velocity / joint_position_min / joint_position_max / '
-                         f'max_step: {error}') from None
+    except ValueError as error:     # MotionLimiter's names -> the parameters'
+        message = str(error)
+        for inner, outer in (('max_velocity', 'max_joint_velocity'),
+                             ('position_min', 'joint_position_min'),
+                             ('position_max', 'joint_position_max')):
+            message = re.sub(rf'(?<![a-z_]){inner}\b', outer, message)
+        raise ValueError(message) from None
 
 
 def camera_subscriptions(parameter) -> list[tuple[str, bool]]:

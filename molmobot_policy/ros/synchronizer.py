@@ -464,7 +464,9 @@ class ObservationSynchronizer:
             with self._lock:
                 problem = (self._refused.get(self.joint_state_topic)
                            or self._problems.get(self.joint_state_topic, ''))
-            what = (f'lacks joints {missing}' if any_joint or problem else 'has no message yet')
+            what = (f'lacks joints {missing}' if any_joint
+                    else f'has no usable position for joints {missing}' if problem
+                    else 'has no message yet')
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:

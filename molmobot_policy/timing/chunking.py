@@ -226,6 +226,11 @@ def chunk_gap(horizon: int, control_period: float, chunk_period: float, lead: fl
     span = horizon * control_period - lead
     if span >= chunk_period:
         return ''
+    if span <= 0.0:
+        return (f'no chunk can be published: its {horizon} actions x control_period '
+                f'{control_period:g} s = {horizon * control_period:.2f} s are all in the past '
+                f'by the time it is sent (the lead, ~{lead:.2f} s, is about 1.2 x the '
+                f'inference time); make {horizon} x control_period >= chunk_period + the lead')
     return (f'each chunk moves the arm for ~{span:.2f} s ({horizon} actions x control_period '
             f'{control_period:g} s, less the ~{lead:.2f} s lead dropped at publish) but chunks '
             f'come every chunk_period {chunk_period:g} s: the arm stands still ~'
