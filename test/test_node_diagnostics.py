@@ -171,8 +171,13 @@ class _Node:
     def __init__(self) -> None:
         self.published, self.timers, self.destroyed = [], [], []
 
+    namespace = '/'
+
     def get_name(self):
         return 'policy'
+
+    def get_fully_qualified_name(self):
+        return f"{self.namespace.rstrip('/')}/policy"
 
     def create_publisher(self, msg_type, topic, depth):
         self.topic = (msg_type, topic)
@@ -225,6 +230,20 @@ def test_the_updater_publishes_every_task_as_one_array_on_its_timer():
     assert [kv.key for kv in round_trip.status[0].values] == ['x']
     updater.destroy()
     assert node.destroyed == ['timer', 'publisher']
+
+
+def test_status_names_carry_the_namespace_so_two_robots_never_share_one():
+    """Two nodes in /robot1 and /robot2 published 'molmobot_policy: output' both: a monitor
+    keyed by name showed robot1's ERROR and robot2's OK in turn (fourth fresh-user trial)."""
+    names = []
+    for namespace in ('/robot1', '/robot2'):
+        node = _Node()
+        node.namespace = namespace
+        updater = Updater(node, 0.5)
+        updater.add(_Named('output', OK))
+        node.timers[0][1]()
+        names.append(node.published[0].status[0].name)
+    assert names == ['robot1/policy: output', 'robot2/policy: output']
 
 
 # ------------------------------------------------------------------ safety (issue 17)

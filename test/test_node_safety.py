@@ -149,10 +149,11 @@ class _Graph(InProcessGraph):
         self.thread.start()
 
     def status(self, task: str):
-        """The latest /diagnostics status '<node>: <task>' (None before one)."""
+        """The latest /diagnostics status '<namespace/node>: <task>' (None before one)."""
+        from molmobot_policy.ros.diagnostics import diagnostic_name
         for array in reversed(self.diagnostics):
             for status in array.status:
-                if status.name == f'{self.name}: {task}':
+                if status.name == f'{diagnostic_name(self.policy)}: {task}':
                     return status
         return None
 

@@ -156,12 +156,12 @@ class Robot:
             self.diagnostics.append(msg)
 
     def status(self, task: str):
-        """The latest /diagnostics status 'molmobot_policy: <task>' (None before one)."""
+        """The latest /diagnostics status 'robot1/molmobot_policy: <task>' (None before one)."""
         with self.lock:
             arrays = list(self.diagnostics)
         for array in reversed(arrays):
             for status in array.status:
-                if status.name == f'molmobot_policy: {task}':
+                if status.name == f"{FQN.lstrip('/')}: {task}":
                     return status
         return None
 
@@ -319,3 +319,6 @@ def test_sim_time_standing_still_is_logged_and_its_resumption_too(policy, robot)
 
 def test_node_exits_cleanly_on_sigint(policy):
     assert policy.stop(timeout=15.0) == 0, policy.log()[-2000:]
+    # its stop line names the node with its namespace, like every other line of it
+    assert '[robot1.molmobot_policy]: SIGINT: stopping after the current step' in policy.log(), \
+        policy.log()[-2000:]

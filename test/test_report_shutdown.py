@@ -10,6 +10,8 @@ from molmobot_policy.ros.report import LoopReport, print_log  # noqa: E402
 
 
 class _Logger:
+    name = 'robot1.molmobot_policy'
+
     def __init__(self):
         self.lines = []
 
@@ -34,7 +36,8 @@ def test_a_skip_after_shutdown_is_printed_not_logged(capsys):
     report.failed(4, RuntimeError('boom'))
     err = capsys.readouterr().err
     assert logger.lines == []
-    assert '[WARN]' in err and '[molmobot_policy]: skipping tick 3: camera /cam0 has no image' in err
+    assert '[WARN]' in err and ('[robot1.molmobot_policy]: skipping tick 3: camera /cam0 has no '
+                                'image') in err      # the logger's name, with its namespace
     assert "[ERROR]" in err and "tick 4 failed: RuntimeError('boom')" in err
 
 

@@ -4,7 +4,8 @@ diagnostic_updater (ros/diagnostics) is not on PyPI, so this module offers the p
 interface the node uses, with the same names, so that the real library can replace it on a
 full ROS install: a `DiagnosticTask` has a name (`getName()`) and `run(stat)`, which fills a
 `DiagnosticStatusWrapper` (`summary(level, message)`, `add(key, value)`) and returns it; an
-`Updater` collects tasks (`add(task)`), names each status '<node name>: <task name>' with the
+`Updater` collects tasks (`add(task)`), names each status '<node name>: <task name>' (the
+node's name with its namespace: `diagnostic_name`; ROS's Updater uses the bare name) with the
 hardware id (`setHardwareID`) and publishes all of them as one `diagnostic_msgs/
 DiagnosticArray` on /diagnostics every `period` seconds (`update()`). Its timer runs on the
 steady clock, not on ROS time, so that /diagnostics also comes while sim time waits for
@@ -56,6 +57,14 @@ from molmobot_policy.ros.synchronizer import stale_while_others_current
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 
 
+def diagnostic_name(node) -> str:
+    """The node's fully qualified name without its leading '/' ('molmobot_policy',
+    'robot1/molmobot_policy'): the prefix of its status names ('<it>: output') and its
+    hardware_id, so that nodes in two namespaces never publish the same status name (a
+    monitor keyed by name would show one robot's OK over the other's ERROR)."""
+    return node.get_fully_qualified_name().lstrip('/')
+
+
 def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[str], object],
                    now: Callable[[], float], mode: Callable[[], dict], served: str,
                    sim_time: Callable[[], bool],
@@ -70,7 +79,7 @@ def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[s
     `sync`); `unanchored()` -> the action joints the latest chunk left unanchored."""
     updater = Updater(node, parameter('diagnostics_period'))
     updater.before_update = refresh
-    updater.setHardwareID(node.get_name())
+    updater.setHardwareID(diagnostic_name(node))
     inputs = [('camera', t, 'max_image_age') for t in sync.camera_topics]
     for label, topic, max_age in inputs + [('joint state', sync.joint_state_topic,
                                             'max_state_age')]:
@@ -139,7 +148,7 @@ class Updater:
             stat = DiagnosticStatusWrapper(level=ERROR, message='No message was set',
                                            hardware_id=self._hardware_id)
             stat = task.run(stat)
-            stat.name = f'{self._node.get_name()}: {task.getName()}'
+            stat.name = f'{diagnostic_name(self._node)}: {task.getName()}'
             statuses.append(stat)
         array = DiagnosticArray(status=statuses)
         stamp = self._node.get_clock().now()
@@ -329,7 +338,7 @@ def idle_updater(node, parameter: Callable[[str], object], state: Callable[[], t
     monitor sees an unconfigured, configuring (through a `Heartbeat`), inactive or failed
     node say so instead of going quiet."""
     updater = Updater(node, parameter('diagnostics_period'))
-    updater.setHardwareID(node.get_name())
+    updater.setHardwareID(diagnostic_name(node))
     updater.add(IdleOutputTask(state))
     return updater
 
@@ -377,7 +386,7 @@ class IdleStatus:
         'configuring' (an exception: shutting down): WARN 'configure interrupted'."""
         self.step(first_step)
         heartbeat = Heartbeat(self._updater, self._parameter('diagnostics_period'),
-                              name=f'{self._node.get_name()} configure heartbeat').start()
+                              name=f'{diagnostic_name(self._node)} configure heartbeat').start()
         try:
             yield
         finally:

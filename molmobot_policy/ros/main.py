@@ -117,6 +117,7 @@ class StopSignals:
         self.count = 0          # SIGINTs after the stop request, the same one repeated aside
         self._previous: dict[int, object] = {}
         self._clock, self._first = clock, None
+        self.name = NODE_NAME   # the logger name of its line: the node's, once it exists
 
     def __call__(self, signum, frame) -> None:
         if self.requested.is_set():
@@ -139,7 +140,7 @@ class StopSignals:
         if self.on_request is not None:
             threading.Thread(target=self.on_request, name='stop-request', daemon=True).start()
         if line:
-            print_log(NODE_NAME, 'INFO', line)
+            print_log(self.name, 'INFO', line)
 
     @property
     def forced(self) -> bool:
@@ -353,6 +354,7 @@ def main(args=None) -> int:
             node = PolicyNode(argv=list(sys.argv if args is None else args),
                               stop_requested=stop.requested)
             stop.on_request = node.request_stop
+            stop.name = node.get_logger().name      # with its namespace
         except ValueError as error:         # a parameter rclpy refused (ParameterError)
             print_log(NODE_NAME, 'FATAL', str(error))
             return EXIT_FAILURE
@@ -384,7 +386,7 @@ def _say(node: PolicyNode, message: str) -> None:
     if node.context.ok():
         node.get_logger().info(message)
     else:
-        print_log(node.get_name(), 'INFO', message)
+        print_log(node.get_logger().name, 'INFO', message)
 
 
 def _serve(node: PolicyNode, stop: StopSignals) -> int:

@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 from molmobot_policy.ros import messages
+from molmobot_policy.ros.diagnostics import diagnostic_name
 from molmobot_policy.timing import LoopEvents
 
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
@@ -36,7 +37,7 @@ class LoopReport(LoopEvents):
         its logger itself, so rclpy's throttling keeps one call site per event."""
         if self._node.context.ok():
             return False
-        print_log(self._node.get_name(), severity, message)
+        print_log(self._node.get_logger().name, severity, message)
         return True
 
     def skipped(self, tick: int, reason: str) -> None:
@@ -78,7 +79,7 @@ class LoopReport(LoopEvents):
         node = self._node
         node.chunks_published_total += 1
         self._watchdog.published(self._now())
-        self._publisher.publish(messages.chunk_info(report, node.get_name(),
+        self._publisher.publish(messages.chunk_info(report, diagnostic_name(node),
                                                     self._sync.last_build_decoded,
                                                     self._sync.last_build_decode_s))
         limited = ''
