@@ -108,6 +108,11 @@ def parameter_overrides(context) -> dict:
 def policy_node(context):
     """The node action of the resolved arguments (and a hint when it cannot start)."""
     params_file = LaunchConfiguration('params_file').perform(context)
+    if params_file and not os.path.isfile(os.path.expanduser(params_file)):
+        # launch_ros only warns ('Parameter file path is not a file') and starts the node
+        # with its defaults: the robot would be configured from none of the user's values
+        raise ValueError(f'params_file:={params_file!r}: no such file (a typo? give an '
+                         'absolute path, e.g. params_file:=$PWD/my_robot.yaml)')
     overrides = parameter_overrides(context)
     actions = []
     if not params_file and 'checkpoint_path' not in overrides:

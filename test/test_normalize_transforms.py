@@ -206,6 +206,9 @@ def test_fewer_joints_than_the_model_takes_are_noted_with_the_dimensions_padded_
         in notes['joint_names'][1]
     assert 'action dimensions 6..7 are not published' in notes['action_joint_names'][1]
     assert contract(joint_names=ARM).notes(TINY) == []
+    trained = contract(joint_names=ARM[:6]).notes(TINY, trained=True)   # a checkpoint's
+    assert [level for level, _ in trained] == ['WARN', 'WARN']
+    assert all(line.endswith('is a joint (e.g. the gripper) missing?') for _, line in trained)
 
 
 def test_a_gripper_index_beyond_the_action_joints_is_warned_about():

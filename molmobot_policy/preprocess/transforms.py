@@ -111,7 +111,7 @@ class RobotContract:
             raise ValueError(f'gripper_index={self.gripper_index} is not an action dimension of '
                              f'the model (0..{model.action_dim - 1}, or -1 for off)')
 
-    def notes(self, model) -> list[tuple[str, str]]:
+    def notes(self, model, trained: bool = False) -> list[tuple[str, str]]:
         """What this valid contract (`check` passed) does that a user may not mean, as
         (level, line) pairs for the configure log, level 'INFO' or 'WARN': state dimensions
         fed as zeros (fewer joint_names than state_dim: upstream pads so too), action
@@ -119,17 +119,21 @@ class RobotContract:
         `gripper_index` drives with its commands and the motion limits it is exempt from, and
         a WARN where that joint's name does not look like a gripper (GRIPPER_WORDS): a
         one-digit slip in gripper_index would turn an arm joint into an open / closed
-        command. model: the `MolmoBotConfig` it was checked against."""
+        command. model: the `MolmoBotConfig` it was checked against; trained: it serves a
+        checkpoint (then the padding and the unpublished dimensions are WARN: a joint, e.g. the
+        gripper, is likely missing from the lists; with random weights they are INFO)."""
         notes = []
+        level, missing = ('WARN', ': is a joint (e.g. the gripper) missing?') if trained \
+            else ('INFO', '')
         joints, actions = len(self.joint_names), len(self.action_joint_names)
         if joints < model.state_dim:
-            notes.append(('INFO', f'joint_names has {joints} joints, the model state '
-                                  f'state_dim={model.state_dim}: state dimensions {joints}..'
-                                  f'{model.state_dim - 1} are fed as 0 (normalized)'))
+            notes.append((level, f'joint_names has {joints} joints, the model state '
+                                 f'state_dim={model.state_dim}: state dimensions {joints}..'
+                                 f'{model.state_dim - 1} are fed as 0 (normalized){missing}'))
         if actions < model.action_dim:
-            notes.append(('INFO', f'action_joint_names has {actions} joints, the model acts in '
-                                  f'action_dim={model.action_dim}: action dimensions '
-                                  f'{actions}..{model.action_dim - 1} are not published'))
+            notes.append((level, f'action_joint_names has {actions} joints, the model acts in '
+                                 f'action_dim={model.action_dim}: action dimensions '
+                                 f'{actions}..{model.action_dim - 1} are not published{missing}'))
         g = self.gripper_index
         if 0 <= g < actions:
             name = self.action_joint_names[g]

@@ -258,7 +258,8 @@ class PolicyNode(LifecycleNode):
                                f'{dict(self.engine.mode)}; first lead '
                                f'{self._latency.lead() * 1e3:.0f} ms')
         self._log_served()
-        for level, note in self.contract.notes(self.engine.model_config):
+        for level, note in self.contract.notes(self.engine.model_config,
+                                               trained=not serves_random_weights(self.served)):
             (self.get_logger().warning if level == 'WARN' else self.get_logger().info)(note)
         unanchored = unanchored_action_joints(self._param)
         if unanchored:      # allowed: check_parameter_values refuses them otherwise

@@ -130,3 +130,15 @@ def test_a_camera_topics_argument_that_is_no_list_is_named(tmp_path):
     assert status != 0
     assert "camera_topics:='/just/one/topic': expected a YAML list of topic names" in text, text
     assert 'policy_node' not in text, text      # no node started
+
+
+def test_a_params_file_that_does_not_exist_is_refused_before_any_node_starts(tmp_path):
+    """launch_ros alone only warns and starts the node with its defaults (fourth fresh-user
+    trial)."""
+    log = tmp_path / 'ros2_launch.log'
+    missing = tmp_path / 'my_robot_typo.yaml'
+    status = finish(ros2_launch(log, f'params_file:={missing}'), timeout=60.0)
+    text = log.read_text(errors='replace')
+    assert status != 0
+    assert f"params_file:='{missing}': no such file" in text, text
+    assert 'policy_node' not in text, text      # no node started
