@@ -383,11 +383,10 @@ def check_parameter_values(parameter) -> None:
 
     Raises:
         ParameterError: camera_topics, joint_names or action_joint_names empty or naming
-            one twice; camera_qos
-            not one of CAMERA_QOS; camera_transports not 1 or one per camera of
-            CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min / _max not
-            numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per action
-            joint; action_joint_names not in joint_names (`unanchored_action_joints`);
+            one twice; camera_qos not one of CAMERA_QOS; camera_transports not 1 or one per
+            camera of CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min /
+            _max not numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per
+            action joint; action_joint_names not in joint_names (`unanchored_action_joints`);
             min_image_size not two pixel counts >= 0.
     """
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
