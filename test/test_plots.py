@@ -172,3 +172,27 @@ def test_the_robot_runtime_neither_imports_nor_installs_matplotlib():
     runtime = (REPO / 'requirements' / 'runtime.txt').read_text()
     assert 'matplotlib' not in runtime
     assert 'matplotlib==' in (REPO / 'requirements' / 'demo.txt').read_text()
+
+
+def test_the_demo_writes_no_pictures_without_a_chunk_and_keeps_the_earlier_ones(tmp_path,
+                                                                                 capsys):
+    """Stopped before the first chunk, the demo replaced the last run's pictures with empty
+    ones (fourth fresh-user trial)."""
+    folder = tmp_path / 'demo_output'
+    folder.mkdir()
+    earlier = folder / 'latency_timeline.png'
+    earlier.write_bytes(b'the last run')
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('demo_plots_none', context=context)
+    try:
+        settings = demo.policy_settings(demo._config('policy_tiny.yaml'))
+        monitor = demo.Monitor(node, [(f'/cam{k}/image_raw', False) for k in range(8)])
+        demo._print_plots(monitor, folder, settings)
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+    out = capsys.readouterr().out
+    assert 'demo: no pictures (no chunk was received)' in out, out
+    assert earlier.read_bytes() == b'the last run'
+    assert sorted(p.name for p in folder.iterdir()) == ['latency_timeline.png']

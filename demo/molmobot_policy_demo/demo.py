@@ -312,7 +312,14 @@ class Monitor:
 
 
 def _print_plots(monitor: Monitor, folder: Path, settings: dict) -> None:
-    """Writes the pictures and names each one; says why when it cannot."""
+    """Writes the pictures and names each one; says why when it cannot. Without a chunk
+    received it writes none: empty plots would replace an earlier run's."""
+    with monitor.lock:
+        received = len(monitor.chunks)
+    if not received:
+        print(f'demo: no pictures (no chunk was received); {Path(folder).resolve()} is as it '
+              'was')
+        return
     try:
         paths = monitor.write_plots(folder, settings)
     except ImportError as error:
