@@ -83,7 +83,8 @@ class Observer:
         self.chunk_arrived.set()
 
     def _on_diagnostics(self, msg) -> None:
-        if any(status.name.startswith('molmobot_policy') for status in msg.status):
+        # status names carry the node's namespace: 'launch_test/molmobot_policy: output'
+        if any(status.name.startswith(f"{NODE.lstrip('/')}: ") for status in msg.status):
             self.diagnostics.append(msg)
             self.diagnostics_arrived.set()
 
