@@ -558,16 +558,19 @@ def run_limited(chunks: int, measured, velocity: float, **kwargs):
 
 def test_the_first_point_starts_at_the_measured_state_and_ramps_to_the_plan():
     """The measured arm is 2 rad from the policy's plan (every action = seq = 1): the first
-    published point is within max_velocity * (its time - the publish time) of the
-    measurement (what a JointTrajectoryController has to reach it), each later point within max_velocity * control_period of the one before,
-    and once the ramp reaches the plan the points are the plan."""
+    published point is within max_velocity * (its time - (the publish time +
+    PICKUP_MARGIN_S)) of the measurement (what a JointTrajectoryController taking the chunk
+    up to that margin after its publish has to reach it), each later point within
+    max_velocity * control_period of the one before, and once the ramp reaches the plan the
+    points are the plan."""
+    from molmobot_policy.timing.loop import PICKUP_MARGIN_S
     velocity = 2.5                              # rad/s: 0.25 rad per control period
     measured = np.array([-1.0, 3.0])            # 2 rad below / above the plan (1.0)
     loop, robot, recorder = run_limited(1, measured, velocity)
     sent, chunk = robot.sent[0]
     step = velocity * CONTROL_PERIOD
     first = chunk.positions[0]
-    allowance = velocity * max(chunk.times[0] - sent, 0.0)
+    allowance = velocity * max(chunk.times[0] - sent - PICKUP_MARGIN_S, 0.0)
     assert allowance < 2.0                                  # the plan is out of reach
     # limited, towards it (the limit uses the deadline; `sent` is read a fake-clock tick later)
     assert np.allclose(first, measured + [allowance, -allowance], atol=1e-3)
@@ -636,11 +639,79 @@ def test_the_next_chunk_is_joined_to_the_published_points_not_the_unlimited_plan
     np.testing.assert_array_equal(stitcher.previous.positions, sent.positions)
 
 
+def _limited_loop(measure, publish_hook=None, velocity=1.0):
+    """A loop with a MotionLimiter of `velocity`, `measure(clock)` -> (positions, stamp), and
+    `publish_hook(clock, k)` run before the k-th message build (from 0). Runs one chunk;
+    returns the loop, the Robot, the Recorder and the chunks built."""
+    from molmobot_policy.timing import MotionLimiter
+    clock = FakeClock()
+    event = FakeEvent(clock)
+    robot = Robot(clock)
+    builds = []
+
+    def publish(chunk):
+        if publish_hook is not None:
+            publish_hook(clock, len(builds))
+        builds.append(chunk)
+        return Robot.publish(robot, chunk)
+    recorder = Recorder(event, 1)
+    loop = make_loop(clock, event, robot, recorder, publish=publish,
+                     limiter=MotionLimiter(max_velocity=velocity),
+                     measured=lambda: measure(clock))
+    loop.run()
+    return loop, robot, recorder, builds
+
+
+def test_a_chunk_sent_late_is_cut_and_limited_again_at_its_send():
+    """A stall of 0.15 s just before the deadline (fifth fresh-user trial: a chunk 47 ms late
+    went out with its first point 34 ms in the past, a 0.14 rad jump): the chunk sent starts
+    at least PICKUP_MARGIN_S after the actual send, its first point within max_velocity of
+    the arm from then."""
+    from molmobot_policy.timing.loop import PICKUP_MARGIN_S
+    measured = np.array([-1.0, 3.0])
+
+    def stall(clock, k):
+        if k == 1:                  # the last build before the deadline (the re-anchor)
+            clock.t += 0.15
+    loop, robot, recorder, builds = _limited_loop(lambda clock: (measured, clock.t - 0.01),
+                                                  publish_hook=stall)
+    assert len(builds) == 3                 # prepared, re-anchored, cut again after the stall
+    sent, chunk = robot.sent[0]
+    assert chunk.times[0] >= sent + PICKUP_MARGIN_S - 1e-3, (chunk.times[0], sent)
+    assert builds[1].times[0] < sent        # what the stall left in the past
+    reach = 1.0 * (chunk.times[0] - sent)
+    assert np.all(np.abs(chunk.positions[0] - measured) <= reach + 1e-6)
+    assert recorder.reports[0].dropped == builds[0].dropped + (len(builds[0].times)
+                                                               - len(chunk.times))
+
+
+def test_the_first_point_is_limited_from_a_measurement_read_just_before_the_deadline():
+    """The arm lags its commands (fifth fresh-user trial: 0.3 s behind, the prediction from
+    a measurement read a lead earlier was 0.4-0.6 rad off): the chunk is limited again from
+    the measurement read REANCHOR_S before the deadline, not from the one at preparation."""
+    from molmobot_policy.timing.loop import PICKUP_MARGIN_S, REANCHOR_S
+    reads = []
+
+    def measure(clock):
+        reads.append(clock.t)
+        positions = np.array([-1.0, 3.0]) if len(reads) == 1 else np.array([0.9, 1.1])
+        return positions, clock.t - 0.001
+    loop, robot, recorder, builds = _limited_loop(measure)
+    sent, chunk = robot.sent[0]
+    deadline = loop.scheduler.deadline(recorder.reports[0].tick)
+    assert len(reads) == 2 and deadline - reads[1] <= REANCHOR_S + 1e-3   # read just before
+    reach = 1.0 * (chunk.times[0] - deadline - PICKUP_MARGIN_S)
+    assert np.all(np.abs(chunk.positions[0] - [0.9, 1.1]) <= reach + 1e-3), chunk.positions[0]
+    assert np.all(np.abs(chunk.positions[0] - [-1.0, 3.0]) > 0.5)     # not the first read
+
+
 def test_a_joint_without_a_measurement_is_not_anchored():
     loop, robot, recorder = run_limited(1, [np.nan, 0.0], 1.0)
     sent, chunk = robot.sent[0]
     assert chunk.positions[0, 0] == 1.0                      # the plan, not anchored
-    reach = 1.0 * (chunk.times[0] - sent)        # 1 rad/s from 0, from the publish on
+    from molmobot_policy.timing.loop import PICKUP_MARGIN_S
+    reach = 1.0 * (chunk.times[0] - sent - PICKUP_MARGIN_S)   # 1 rad/s from 0, from the latest
+                                                              # take-up by the controller on
     assert reach < 1.0 and chunk.positions[0, 1] == pytest.approx(reach, abs=1e-3)
     assert recorder.reports[0].start_offset == pytest.approx(1.0)
 

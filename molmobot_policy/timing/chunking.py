@@ -6,7 +6,9 @@ control period apart; action k of a chunk executes at `first_time + k * control_
 that the measured inference latency is compensated). When a chunk is published at `now`,
 actions whose time is already past are dropped from the front: the robot can no longer
 execute them, and sending them would make the controller pause or jump back in time.
-The published points therefore start at or after `now`, with increasing times.
+The published points therefore start at or after `now`, with increasing times (the loop
+passes the publish time plus the controller's take-up margin as `now`, and cuts a chunk sent
+late again at its send: `timing.loop`).
 
 A new chunk replaces the previous one from its first kept time on. To avoid a step where
 the two plans disagree:
@@ -103,17 +105,28 @@ class ChunkStitcher:
 
     def commit(self, chunk: StitchedChunk) -> None:
         """Make `chunk`, the last `stitch` result as it is published (e.g. after
-        `MotionLimiter` moved points), the previous chunk the next one is joined to.
+        `MotionLimiter` moved points, or with points due before a late publish dropped from
+        its front), the previous chunk the next one is joined to.
 
         Raises:
-            ValueError: `chunk` has other times than the last stitched chunk.
+            ValueError: `chunk`'s times are not the last stitched chunk's or a non-empty tail
+                of them, or its joints differ.
         """
         previous = self._previous
-        if previous is None or not np.array_equal(previous.times, chunk.times) \
-                or chunk.positions.shape != previous.positions.shape:
-            raise ValueError('commit() takes the last stitched chunk (same times and shape), '
-                             'with its points changed')
+        tail = None if previous is None else previous.times[len(previous.times)
+                                                             - len(chunk.times):]
+        if previous is None or len(chunk.times) == 0 \
+                or len(chunk.times) > len(previous.times) \
+                or not np.array_equal(tail, chunk.times) \
+                or chunk.positions.shape[1:] != previous.positions.shape[1:]:
+            raise ValueError('commit() takes the last stitched chunk (the same times, or a '
+                             'tail of them, and joints), with its points changed')
         self._previous = chunk
+
+    def withdraw(self, previous: Optional[StitchedChunk]) -> None:
+        """The last stitched chunk was not sent: `previous` (what `previous` was before that
+        `stitch`: the chunk the arm executes) is the reference of the next chunk again."""
+        self._previous = previous
 
     @property
     def previous(self) -> Optional[StitchedChunk]:

@@ -12,7 +12,11 @@ used (`ObservationGate`), runs `predict`, drops the actions already in the past 
 time and joins the chunk to the previous one (`ChunkStitcher`), anchors the points to the
 measured joint state within the velocity and position limits (`MotionLimiter`,
 `measured`), lets `publish` build its messages, waits for the deadline and sends them:
-only the send runs after the wake-up. Action k of a chunk
+only the send runs after the wake-up. The controller is given PICKUP_MARGIN_S to take the
+chunk (points due sooner are dropped, the first point is limited from the arm's predicted
+position at the end of that margin); REANCHOR_S before the deadline the chunk is limited
+again from a fresh measurement (and its messages built again); a send later than
+LATE_RECUT_S (a stall) cuts and limits it again at the actual send. Action k of a chunk
 executes at `observation.stamp + k * control_period`. A chunk whose tick was scheduled before
 the lead had seen any of this run's own latencies (`LatencyEstimator.measured`: at most the
 first SETTLE_SAMPLES + 1) is a start-up chunk; its jitter also goes to
@@ -91,6 +95,19 @@ OUTLIER_FACTOR = 3.0        # a latency above this times the window's median is 
 QUIET_MAX_S = BUSY_WAIT_S + 0.004   # the longest another thread waits out a publish window
 STALL_TRACE_S = 0.001      # debug_timing: a polling-tail gap longer than this names where the
                             # other threads were when it ended (`other_threads`)
+PICKUP_MARGIN_S = 0.01      # a controller takes a chunk up to this long after its publish (a
+                            # cycle of a 100 Hz controller, delivery): points due sooner are
+                            # dropped, and the first point is limited from the arm's position
+                            # predicted at publish + this, so the move to it stays within
+                            # max_joint_velocity whenever in that window the controller
+                            # switches (switch on arrival, as ros2_control's
+                            # JointTrajectoryController does)
+REANCHOR_S = 0.010          # this long before the deadline the chunk is limited again from a
+                            # fresh joint-state measurement: the first limit read it at the
+                            # chunk's preparation, up to the lead earlier, and an arm lagging
+                            # its commands drifts from the prediction over that time
+LATE_RECUT_S = PICKUP_MARGIN_S / 2  # a send later than this after its deadline (a stall)
+                            # re-cuts and re-limits the chunk at the actual send time
 CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds),
                             # and after this long that sim time stopped
 STANDSTILL_REPEAT_S = 30.0  # then say it again this often (timer seconds): a paused simulator
@@ -472,19 +489,33 @@ class PolicyLoop:
             self.latency.record(prepared - started)
         if prepared_chunk is None:
             return
-        send, stitched, limits = prepared_chunk
+        send, stitched, limits, plan = prepared_chunk
         try:
+            if self._limiter is not None and self._now() < tick.deadline - REANCHOR_S:
+                if self.wait_until(tick.deadline - REANCHOR_S) is not Wait.REACHED:
+                    return self._stitcher.withdraw(plan[1])     # stopped, or a jump back
+                final = self._finalize(tick, plan, tick.deadline + PICKUP_MARGIN_S)
+                if final is None:
+                    return
+                send, stitched, limits = final
             if self.wait_until(tick.deadline, quiet=True) is not Wait.REACHED:
                 return  # stopped, or the clock went back: never publish into the new time
-            past = self._now() - stitched.times[0]
+            now = self._now()
+            past = now - stitched.times[0]
             if past > self._period:
                 # ROS time moved on while the chunk waited (a /clock jump forward): its
-                # points would be in the past, which a controller rejects (a shorter wall-clock
-                # stall sends it late, as before: the controller starts where it is now)
+                # points would be in the past, which a controller rejects
                 self._stitcher.reset()
                 return self._skip(tick, f'ROS time moved {past:.3f} s past the chunk\'s first '
                                         'point before its publish (a /clock jump forward?): '
                                         'not sent')
+            if now > tick.deadline + LATE_RECUT_S:
+                # a late send (a stall): the points due before it, and the limit from where
+                # the arm was at the deadline, no longer hold; cut and limit them again now
+                final = self._finalize(tick, plan, now + PICKUP_MARGIN_S)
+                if final is None:
+                    return
+                send, stitched, limits = final
             wake_late, mark = self.wake_late, self.runqueue_mark
             called = self._now() if self._debug else None
             send()
@@ -506,10 +537,11 @@ class PolicyLoop:
 
     def _prepare(self, tick: Tick, observation: Observation, chunk: ActionChunk):
         """The chunk stitched, limited and made into its messages: (the send callable, the
-        stitched chunk, the limiter's `LimitedPoints` or None), or None where the tick was
-        skipped (reported here)."""
-        # actions before the publish time are dropped; the publish time is the deadline
-        # unless inference overran it
+        stitched chunk, the limiter's `LimitedPoints` or None, the plan for `_finalize`:
+        (the stitched chunk before the limits, the chunk the arm executes)), or None where
+        the tick was skipped (reported here)."""
+        # actions due before the controller can take the chunk are dropped: the publish time
+        # (the deadline unless inference overran it) + PICKUP_MARGIN_S
         publish_at = max(self._now(), tick.deadline)
         try:        # before stitching: a refused measurement leaves the stitcher as it was
             measured = self._measured() if self._limiter is not None else None
@@ -518,28 +550,66 @@ class PolicyLoop:
             return None
         actions = self._to_joints(np.asarray(chunk.actions, dtype=np.float64))
         executing = self._stitcher.previous     # what the arm runs until this one arrives
-        stitched = self._stitcher.stitch(actions, first_time=observation.stamp, now=publish_at)
+        stitched = self._stitcher.stitch(actions, first_time=observation.stamp,
+                                         now=publish_at + PICKUP_MARGIN_S)
         self.stats.dropped_actions += stitched.dropped
         if len(stitched) == 0:
             self._skip(tick, f'all {stitched.dropped} actions were in the past at publish time',
                        counted=False)
             return None
-        limits = self._limit(stitched, measured, publish_at, executing)
+        plan = (stitched, executing)
+        final = self._limited(stitched, measured, publish_at + PICKUP_MARGIN_S, executing)
+        return (*final, plan)
+
+    def _limited(self, stitched: StitchedChunk, measured, taken_at: float,
+                 executing: Optional[StitchedChunk]):
+        """(send, the chunk as sent, `LimitedPoints` or None) of `stitched` limited from the
+        arm's position predicted at `taken_at` (s, ROS time: when the controller takes it at
+        the latest), committed as the stitcher's reference."""
+        limits = self._limit(stitched, measured, taken_at, executing)
         if limits is not None:
             stitched = replace(stitched, positions=limits.positions)
-            self._stitcher.commit(stitched)     # the next chunk joins what was published
+        self._stitcher.commit(stitched)         # the next chunk joins what is published
         return self._publish(stitched), stitched, limits
 
-    def _limit(self, stitched: StitchedChunk, measured, publish_at: float,
+    def _finalize(self, tick: Tick, plan, taken_at: float):
+        """The plan's points due at or after `taken_at` (s, ROS time), limited again from a
+        fresh measurement (`_limited`): (send, the chunk as sent, `LimitedPoints` or None), or
+        None where the tick was skipped (reported; the stitcher keeps the executing chunk as
+        its reference)."""
+        stitched, executing = plan
+        late = int(np.searchsorted(stitched.times, taken_at, side='left'))
+        if late >= len(stitched):
+            self._stitcher.withdraw(executing)
+            self.stats.dropped_actions += late
+            self._skip(tick, f'all {stitched.dropped + late} actions were in the past at '
+                             'publish time (sent late)', counted=False)
+            return None
+        if late:
+            self.stats.dropped_actions += late
+            stitched = replace(stitched, times=stitched.times[late:],
+                               positions=stitched.positions[late:],
+                               dropped=stitched.dropped + late,
+                               first_index=stitched.first_index + late)
+        try:
+            measured = self._measured() if self._limiter is not None else None
+        except ValueError as error:
+            self._stitcher.withdraw(executing)
+            self._skip(tick, str(error))
+            return None
+        return self._limited(stitched, measured, taken_at, executing)
+
+    def _limit(self, stitched: StitchedChunk, measured, taken_at: float,
                executing: Optional[StitchedChunk]):
-        """The limiter's `LimitedPoints` for the stitched chunk sent at `publish_at` (None
-        without a limiter); `measured` is what `self._measured()` returned, `executing` the
-        chunk the arm runs until then (`motion.position_at_publish`)."""
+        """The limiter's `LimitedPoints` for the stitched chunk taken by the controller at
+        `taken_at` at the latest (None without a limiter); `measured` is what
+        `self._measured()` returned, `executing` the chunk the arm runs until then
+        (`motion.position_at_publish`)."""
         if self._limiter is None:
             return None
         positions, stamp = measured
-        anchor = position_at_publish(positions, stamp, publish_at, executing)
-        return self._limiter.limit(stitched.times, stitched.positions, anchor, publish_at)
+        anchor = position_at_publish(positions, stamp, taken_at, executing)
+        return self._limiter.limit(stitched.times, stitched.positions, anchor, taken_at)
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
                 stitched: StitchedChunk, published: float, delay: Optional[DelayClues],
