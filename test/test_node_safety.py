@@ -8,6 +8,7 @@ engine's warm-up timing."""
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import numpy as np
@@ -515,3 +516,7 @@ def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the
     corrupt['on'] = False
     count = len(g.trajectories)
     assert g.wait_for(lambda: len(g.trajectories) > count + 1), g.log.text()
+    # the skips' lines are throttled: the first chunk after them says how many there were
+    assert g.wait_for(lambda: re.search(r'chunks again after \d+ skipped ticks? \(the last: '
+                                        r'.*corrupt or truncated', g.log.text('info'))), \
+        g.log.text()

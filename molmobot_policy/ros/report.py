@@ -26,6 +26,8 @@ class LoopReport(LoopEvents):
     def __init__(self, node, chunk_info, sync, watchdog, now: Callable[[], float]) -> None:
         self._node, self._publisher = node, chunk_info
         self._sync, self._watchdog, self._now = sync, watchdog, now
+        self._skipped = 0           # ticks skipped or failed since the last chunk (the log
+        self._last_skip = ''        # throttles their lines: `published` says how many)
 
     def _log(self):
         return self._node.get_logger()
@@ -42,6 +44,7 @@ class LoopReport(LoopEvents):
 
     def skipped(self, tick: int, reason: str) -> None:
         self._watchdog.skipped(reason)
+        self._skipped, self._last_skip = self._skipped + 1, reason
         message = f'skipping tick {tick}: {reason}'
         if not self._printed('WARN', message):
             self._log().warning(message, throttle_duration_sec=WARN_THROTTLE_S)
@@ -49,6 +52,7 @@ class LoopReport(LoopEvents):
     def failed(self, tick: int, error: Exception) -> None:
         message = f'tick {tick} failed: {error!r}'
         self._watchdog.skipped(message)
+        self._skipped, self._last_skip = self._skipped + 1, message
         if not self._printed('ERROR', message):
             self._log().error(message, throttle_duration_sec=WARN_THROTTLE_S)
 
@@ -95,6 +99,12 @@ class LoopReport(LoopEvents):
                    f'{messages.format_action(report.positions[0])}{limited}')
         if not self._printed('INFO', message):
             self._log().info(message)
+        if self._skipped:       # the skips' own lines are throttled: say how many there were
+            again = (f'chunk {report.count}: chunks again after {self._skipped} skipped '
+                     f'tick{"s" if self._skipped > 1 else ""} (the last: {self._last_skip})')
+            self._skipped = 0
+            if not self._printed('INFO', again):
+                self._log().info(again)
         if report.outside_limits:
             names = list(self._node.get_parameter('action_joint_names').value)
             joints = [names[j] if j < len(names) else j for j in report.outside_limits]
