@@ -201,6 +201,13 @@ class _Node:
     def destroy_publisher(self, publisher):
         self.destroyed.append('publisher')
 
+    def get_logger(self):
+        from types import SimpleNamespace
+        if not hasattr(self, 'lines'):
+            self.lines = []
+        return SimpleNamespace(warning=lambda m, **k: self.lines.append(('WARN', m)),
+                               info=lambda m, **k: self.lines.append(('INFO', m)))
+
 
 class _Named(DiagnosticTask):
     def __init__(self, name, level=None):
@@ -244,6 +251,24 @@ def test_status_names_carry_the_namespace_so_two_robots_never_share_one():
         node.timers[0][1]()
         names.append(node.published[0].status[0].name)
     assert names == ['robot1/policy: output', 'robot2/policy: output']
+
+
+def test_a_logged_task_entering_and_leaving_error_is_logged_once_each():
+    """CPU overload put 'schedule' in ERROR on /diagnostics with no log line (fifth
+    fresh-user trial): tasks with log_errors log the change both ways, not every update."""
+    node = _Node()
+    updater = Updater(node, 0.5)
+    task = _Named('schedule', OK)
+    task.log_errors = True
+    quiet = _Named('camera', ERROR)             # not a logged task
+    updater.add(task)
+    updater.add(quiet)
+    for level in (OK, ERROR, ERROR, WARN, OK):
+        task.level = level
+        node.timers[0][1]()
+    assert getattr(node, 'lines', []) == [
+        ('WARN', "status 'schedule' is ERROR: schedule says hi"),
+        ('INFO', "status 'schedule' is no longer ERROR: schedule says hi")]
 
 
 # ------------------------------------------------------------------ safety (issue 17)

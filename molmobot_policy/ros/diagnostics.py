@@ -104,7 +104,11 @@ class DiagnosticStatusWrapper(DiagnosticStatus):
 
 
 class DiagnosticTask:
-    """A named check; `run(stat)` fills `stat` (a DiagnosticStatusWrapper) and returns it."""
+    """A named check; `run(stat)` fills `stat` (a DiagnosticStatusWrapper) and returns it.
+    `log_errors`: the Updater also logs when its status becomes ERROR and when it leaves it
+    (for problems no other log line reports, e.g. an overloaded machine's late publishes)."""
+
+    log_errors = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -128,6 +132,7 @@ class Updater:
         self._node = node
         self._tasks: list[DiagnosticTask] = []
         self._hardware_id = ''
+        self._levels: dict[str, object] = {}        # the last level of each logged task
         self.before_update: Callable[[], object] | None = None     # runs before the tasks
         self._publisher = node.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._timer = node.create_timer(period, self.update,
@@ -150,12 +155,21 @@ class Updater:
             stat = task.run(stat)
             stat.name = f'{diagnostic_name(self._node)}: {task.getName()}'
             statuses.append(stat)
+            if task.log_errors:
+                self._log_level_change(task.getName(), stat)
         array = DiagnosticArray(status=statuses)
         stamp = self._node.get_clock().now()
         if stamp.nanoseconds == 0:      # sim time before /clock
             stamp = Clock(clock_type=ClockType.SYSTEM_TIME).now()
         array.header.stamp = stamp.to_msg()
         self._publisher.publish(array)
+
+    def _log_level_change(self, name: str, stat) -> None:
+        before, self._levels[name] = self._levels.get(name), stat.level
+        if stat.level == ERROR and before != ERROR:
+            self._node.get_logger().warning(f"status '{name}' is ERROR: {stat.message}")
+        elif before == ERROR and stat.level != ERROR:
+            self._node.get_logger().info(f"status '{name}' is no longer ERROR: {stat.message}")
 
     def destroy(self) -> None:
         """Remove the timer and the publisher from the node."""
@@ -223,6 +237,8 @@ class InferenceTask(DiagnosticTask):
     `served`: what the engine serves (`ros.serving.served_weights`); `latency`: the
     timing.LatencyEstimator setting the lead, or None."""
 
+    log_errors = True
+
     def __init__(self, inference_ms, mode: Callable[[], dict],
                  parameter: Callable[[str], object], served: str = '', latency=None) -> None:
         super().__init__('inference')
@@ -271,6 +287,8 @@ class ScheduleTask(DiagnosticTask):
     naming `stats.last_skip` while ticks are skipped (the loop clears it when a chunk is
     published); WARN naming the start-up chunks when one was later than diag_jitter_warn_ms,
     until LEVEL_CHUNKS chunks have followed them."""
+
+    log_errors = True
 
     def __init__(self, stats, gc_pauses, frames_decoded: Callable[[], int],
                  parameter: Callable[[str], object]) -> None:
