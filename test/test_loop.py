@@ -685,6 +685,24 @@ def test_a_chunk_sent_late_is_cut_and_limited_again_at_its_send():
                                                                - len(chunk.times))
 
 
+def test_a_stall_during_the_late_cut_itself_cuts_again():
+    """A second stall while the late chunk was being cut (re-check: its first point came
+    4.4 ms after the send): the chunk is cut again, so that it still starts at least
+    PICKUP_MARGIN_S after the send."""
+    from molmobot_policy.timing.loop import PICKUP_MARGIN_S
+    measured = np.array([-1.0, 3.0])
+
+    def stall(clock, k):
+        if k in (1, 2):             # the re-anchor's build, then the late cut's build
+            clock.t += 0.15
+    loop, robot, recorder, builds = _limited_loop(lambda clock: (measured, clock.t - 0.01),
+                                                  publish_hook=stall)
+    assert len(builds) == 4
+    sent, chunk = robot.sent[0]
+    assert builds[2].times[0] < sent + PICKUP_MARGIN_S      # what the second stall spoiled
+    assert chunk.times[0] >= sent + PICKUP_MARGIN_S - 1e-3, (chunk.times[0], sent)
+
+
 def test_the_first_point_is_limited_from_a_measurement_read_just_before_the_deadline():
     """The arm lags its commands (fifth fresh-user trial: 0.3 s behind, the prediction from
     a measurement read a lead earlier was 0.4-0.6 rad off): the chunk is limited again from

@@ -16,7 +16,8 @@ only the send runs after the wake-up. The controller is given PICKUP_MARGIN_S to
 chunk (points due sooner are dropped, the first point is limited from the arm's predicted
 position at the end of that margin); REANCHOR_S before the deadline the chunk is limited
 again from a fresh measurement (and its messages built again); a send later than
-LATE_RECUT_S (a stall) cuts and limits it again at the actual send. Action k of a chunk
+LATE_RECUT_S (a stall) cuts and limits it again at the actual send, up to RECUTS times.
+Action k of a chunk
 executes at `observation.stamp + k * control_period`. A chunk whose tick was scheduled before
 the lead had seen any of this run's own latencies (`LatencyEstimator.measured`: at most the
 first SETTLE_SAMPLES + 1) is a start-up chunk; its jitter also goes to
@@ -106,8 +107,10 @@ REANCHOR_S = 0.010          # this long before the deadline the chunk is limited
                             # fresh joint-state measurement: the first limit read it at the
                             # chunk's preparation, up to the lead earlier, and an arm lagging
                             # its commands drifts from the prediction over that time
-LATE_RECUT_S = PICKUP_MARGIN_S / 2  # a send later than this after its deadline (a stall)
-                            # re-cuts and re-limits the chunk at the actual send time
+LATE_RECUT_S = 0.002        # a send later than this after its deadline (a stall) re-cuts and
+                            # re-limits the chunk at the actual send time, so that the margin
+                            # stays for delivery and the controller's cycle
+RECUTS = 3                  # at most this many cuts in a row (a stall during the cut itself)
 CLOCK_REPORT_S = 3.0        # say this often that the clock has not started (timer seconds),
                             # and after this long that sim time stopped
 STANDSTILL_REPEAT_S = 30.0  # then say it again this often (timer seconds): a paused simulator
@@ -509,13 +512,17 @@ class PolicyLoop:
                 return self._skip(tick, f'ROS time moved {past:.3f} s past the chunk\'s first '
                                         'point before its publish (a /clock jump forward?): '
                                         'not sent')
-            if now > tick.deadline + LATE_RECUT_S:
+            cut_at = tick.deadline
+            for _ in range(RECUTS):
+                if now <= cut_at + LATE_RECUT_S:
+                    break
                 # a late send (a stall): the points due before it, and the limit from where
                 # the arm was at the deadline, no longer hold; cut and limit them again now
                 final = self._finalize(tick, plan, now + PICKUP_MARGIN_S)
                 if final is None:
                     return
                 send, stitched, limits = final
+                cut_at, now = now, self._now()      # and again if the cut itself stalled
             wake_late, mark = self.wake_late, self.runqueue_mark
             called = self._now() if self._debug else None
             send()
