@@ -26,6 +26,23 @@ __device__ __forceinline__ unsigned smem_u32(const void *p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// median ms of 3 runs of launch() after one warm-up, timed with events a, b (-1 on an error)
+template <class Launch>
+static float median_ms(cudaEvent_t a, cudaEvent_t b, Launch launch) {
+    std::vector<float> ms;
+    for (int rep = 0; rep < 4; ++rep) {
+        cudaEventRecord(a);
+        if (launch() != cudaSuccess || cudaGetLastError() != cudaSuccess) return -1.f;
+        cudaEventRecord(b);
+        if (cudaEventSynchronize(b) != cudaSuccess) return -1.f;
+        float t;
+        cudaEventElapsedTime(&t, a, b);
+        if (rep) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
 __global__ void __launch_bounds__(128, 1) ingress(const char *src, size_t stride_per_cta,
                                                   size_t bytes_per_cta, size_t window,
                                                   int slot, int ring, unsigned long long *sink) {
@@ -152,19 +169,13 @@ static int cluster_part(unsigned long long *sink) {
             cfg.numAttrs = 1;
             int fit = 0;
             CK(cudaOccupancyMaxActiveClusters(&fit, cluster_rounds, &cfg));
-            std::vector<float> ms;
-            for (int rep = 0; rep < 4; ++rep) {
-                CK(cudaEventRecord(a));
-                CK(cudaLaunchKernelEx(&cfg, cluster_rounds, iters, slice, mode == 2 ? 1 : 0, sink));
-                CK(cudaEventRecord(b));
-                CK(cudaEventSynchronize(b));
-                float t;
-                CK(cudaEventElapsedTime(&t, a, b));
-                if (rep) ms.push_back(t);
-            }
-            std::sort(ms.begin(), ms.end());
+            const float t = median_ms(a, b, [&] {
+                return cudaLaunchKernelEx(&cfg, cluster_rounds, iters, slice, mode == 2 ? 1 : 0,
+                                          sink);
+            });
+            if (t < 0) { printf("cluster of %d: launch failed\n", C); return 1; }
             printf("%-8d %-6s %-12d %12.3f %16d\n", C, mode == 0 ? "bar" : mode == 1 ? "store" : "bulk",
-                   slice, 1e3 * ms[ms.size() / 2] / iters, fit);
+                   slice, 1e3 * t / iters, fit);
         }
     }
     return 0;
@@ -199,19 +210,12 @@ int main() {
                 const size_t stride = src == 0 ? total / N / 4096 * 4096 : (size_t)256 << 10;
                 const size_t window = src == 0 ? per : (size_t)256 << 10;
                 const size_t smem = (size_t)ring * slot + ring * 8;
-                std::vector<float> ms;
-                for (int rep = 0; rep < 4; ++rep) {
-                    CK(cudaEventRecord(a));
+                const float t = median_ms(a, b, [&] {
                     ingress<<<N, 128, smem>>>(buf, stride, per, window, slot, ring, sink);
-                    CK(cudaGetLastError());
-                    CK(cudaEventRecord(b));
-                    CK(cudaEventSynchronize(b));
-                    float t;
-                    CK(cudaEventElapsedTime(&t, a, b));
-                    if (rep) ms.push_back(t);
-                }
-                std::sort(ms.begin(), ms.end());
-                const double gbs = (double)per * N / (ms[ms.size() / 2] * 1e-3) / 1e9;
+                    return cudaGetLastError();
+                });
+                if (t < 0) { printf("ingress N=%d: launch failed\n", N); return 1; }
+                const double gbs = (double)per * N / (t * 1e-3) / 1e9;
                 printf("%-6s %-4d %-8d %-6d %10.0f %12.1f\n", src ? "L2" : "HBM", N, slot / 1024,
                        ring, gbs, gbs / N);
             }

@@ -123,18 +123,25 @@ def _feed(monitor: 'demo.Monitor') -> None:
                                        data=frame.tobytes()))
 
 
-def test_the_demo_summary_names_each_picture_it_wrote(tmp_path, capsys):
+def _print_demo_plots(folder, feed: bool) -> None:
+    """The demo's summary of pictures into `folder`, from a Monitor fed like a run
+    (`_feed`) or given nothing (stopped before any chunk)."""
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node('demo_plots_test', context=context)
     try:
         settings = demo.policy_settings(demo._config('policy_tiny.yaml'))
         monitor = demo.Monitor(node, [(f'/cam{k}/image_raw', False) for k in range(8)])
-        _feed(monitor)
-        demo._print_plots(monitor, tmp_path / 'demo_output', settings)
+        if feed:
+            _feed(monitor)
+        demo._print_plots(monitor, folder, settings)
     finally:
         node.destroy_node()
         rclpy.shutdown(context=context)
+
+
+def test_the_demo_summary_names_each_picture_it_wrote(tmp_path, capsys):
+    _print_demo_plots(tmp_path / 'demo_output', feed=True)
     out = capsys.readouterr().out
     folder = (tmp_path / 'demo_output').resolve()
     assert f'demo: pictures in {folder}:' in out, out
@@ -182,16 +189,7 @@ def test_the_demo_writes_no_pictures_without_a_chunk_and_keeps_the_earlier_ones(
     folder.mkdir()
     earlier = folder / 'latency_timeline.png'
     earlier.write_bytes(b'the last run')
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node('demo_plots_none', context=context)
-    try:
-        settings = demo.policy_settings(demo._config('policy_tiny.yaml'))
-        monitor = demo.Monitor(node, [(f'/cam{k}/image_raw', False) for k in range(8)])
-        demo._print_plots(monitor, folder, settings)
-    finally:
-        node.destroy_node()
-        rclpy.shutdown(context=context)
+    _print_demo_plots(folder, feed=False)
     out = capsys.readouterr().out
     assert 'demo: no pictures (no chunk was received)' in out, out
     assert earlier.read_bytes() == b'the last run'
