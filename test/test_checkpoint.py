@@ -208,6 +208,13 @@ def test_safetensors_round_trip(tmp_path, golden_state):
         assert torch.equal(tensor, golden_state[name]), name
 
 
+def test_a_directory_with_both_weight_formats_is_refused_by_the_loader(tmp_path, golden_state):
+    write_checkpoint(tmp_path / 'both', golden_state, fmt='safetensors')
+    torch.save(golden_state, tmp_path / 'both' / 'model.pt')
+    with pytest.raises(ValueError, match='holds both model.pt and'):
+        load_checkpoint(tmp_path / 'both')
+
+
 def truncated(path: Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:int(len(data) * keep)])

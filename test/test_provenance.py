@@ -61,10 +61,14 @@ def test_safetensors_shards_are_fingerprinted_each_in_sorted_order(tmp_path):
     assert weights_fingerprint(tmp_path) == _expected(b'A' * 30, b'B' * 40)
 
 
-def test_model_pt_is_preferred_over_safetensors_as_the_loader_does(tmp_path):
+def test_a_directory_with_both_model_pt_and_safetensors_is_refused(tmp_path):
+    """model.pt was silently preferred: a stale one beside new shards was served (sixth
+    fresh-user trial). The file itself can still be named."""
     (tmp_path / 'model.pt').write_bytes(b'pt')
     (tmp_path / 'x.safetensors').write_bytes(b'st')
-    assert weight_files(tmp_path) == [tmp_path / 'model.pt']
+    with pytest.raises(ValueError, match=r"holds both model.pt and \['x.safetensors'\]"):
+        weight_files(tmp_path)
+    assert weight_files(tmp_path / 'model.pt') == [tmp_path / 'model.pt']
 
 
 def test_missing_weights_are_named(tmp_path):

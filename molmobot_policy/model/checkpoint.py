@@ -318,16 +318,10 @@ def _config_file(path: Path) -> Path:
 
 
 def _checkpoint_files(path: Path) -> tuple[Path, list[Path]]:
-    """(config.yaml, weight files) of a checkpoint directory or weight file."""
-    config = _config_file(path)
-    if path.is_file():
-        return config, [path]
-    if (path / 'model.pt').is_file():
-        return config, [path / 'model.pt']
-    shards = sorted(path.glob('*.safetensors'))
-    if not shards:
-        raise FileNotFoundError(f'checkpoint {path}: neither model.pt nor *.safetensors found')
-    return config, shards
+    """(config.yaml, weight files: `provenance.weight_files`) of a checkpoint directory or
+    weight file."""
+    from .provenance import weight_files
+    return _config_file(path), weight_files(path)
 
 
 def load_config(path: str | Path, norm_stats_key: str | None = None,
@@ -383,7 +377,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = 'cpu',
 
     Raises:
         FileNotFoundError: no config.yaml or no weights.
-        ValueError: unsupported config value, unknown norm_stats_key, a weight file that
+        ValueError: unsupported config value, unknown norm_stats_key, a directory holding
+            both model.pt and *.safetensors, a weight file that
             cannot be parsed (corrupt or truncated: the message names it), or mismatched
             keys/shapes (one error listing all; unexpected keys are tolerated when
             strict=False).

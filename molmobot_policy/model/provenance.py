@@ -28,20 +28,27 @@ _READ = 2**20                       # bytes per read call
 
 
 def weight_files(checkpoint_path: str | Path) -> list[Path]:
-    """The weight files of a checkpoint directory (`model.pt`, else `*.safetensors`, sorted)
-    or the weight file itself.
+    """The weight files of a checkpoint directory (`model.pt`, or the `*.safetensors` shards,
+    sorted) or the weight file itself: what `checkpoint.load_checkpoint` loads and
+    `weights_fingerprint` identifies.
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory holds neither.
+        ValueError: a directory holds both (which one is the model is not for us to guess:
+            a stale model.pt beside new shards was served silently).
     """
     path = Path(checkpoint_path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f'checkpoint path {path} does not exist')
-    if (path / 'model.pt').is_file():
-        return [path / 'model.pt']
     shards = sorted(path.glob('*.safetensors'))
+    if (path / 'model.pt').is_file():
+        if shards:
+            raise ValueError(f'checkpoint {path}: holds both model.pt and '
+                             f'{[s.name for s in shards]}: keep one set of weights in the '
+                             'directory, or set checkpoint_path to the weight file to serve')
+        return [path / 'model.pt']
     if not shards:
         raise FileNotFoundError(f'checkpoint {path}: neither model.pt nor *.safetensors found')
     return shards
@@ -62,7 +69,7 @@ def weights_fingerprint(checkpoint_path: str | Path) -> str:
     (see the module docstring: size + first and last FINGERPRINT_CHUNK bytes of each).
 
     Raises:
-        FileNotFoundError: as `weight_files`. OSError: a file cannot be read.
+        FileNotFoundError, ValueError: as `weight_files`. OSError: a file cannot be read.
     """
     digest = hashlib.sha256()
     for file in weight_files(checkpoint_path):

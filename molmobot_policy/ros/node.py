@@ -235,7 +235,7 @@ class PolicyNode(LifecycleNode):
             self.served = served_weights(engine_config, self._param('allow_random_weights'))
             from molmobot_policy.runtime.devices import describe_device  # torch, at configure
             device = describe_device(engine_config['device'])   # ValueError: cannot serve there
-            self._configuring(f'building engine (serving {self.served}, device {device}, '
+            self._configuring(f'building engine (loading {self.served}, device {device}, '
                               f'{len(cameras)} cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
             self.contract = contract
