@@ -458,14 +458,18 @@ def test_compressed_cameras_are_subscribed_on_the_compressed_subtopic():
 
 
 def test_the_action_joints_with_an_infinite_velocity_limit_are_named_but_the_gripper():
-    from molmobot_policy.ros.parameters import PARAMETERS as P, unlimited_velocity_joints
+    from molmobot_policy.ros.parameters import (PARAMETERS as P, motion_limiter,
+                                                unlimited_velocity_joints)
+
+    def unlimited(**changes):
+        values = _values(**changes)
+        return unlimited_velocity_joints(values, motion_limiter(values))
     names = list(P['action_joint_names'][0])
-    assert unlimited_velocity_joints(_values()) == []
+    assert unlimited() == []
     inf = float('inf')
-    assert unlimited_velocity_joints(_values(max_joint_velocity=[inf])) == names
+    assert unlimited(max_joint_velocity=[inf]) == names
     per_joint = [1.0] * 5 + [inf, inf]
-    assert unlimited_velocity_joints(_values(max_joint_velocity=per_joint,
-                                             gripper_index=6)) == [names[5]]
+    assert unlimited(max_joint_velocity=per_joint, gripper_index=6) == [names[5]]
 
 
 @pytest.mark.parametrize('changes, message', [

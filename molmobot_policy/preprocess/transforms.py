@@ -26,6 +26,12 @@ from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.preprocess.normalize import normalizers_from_config
 
 
+def repeated(names: Sequence[str]) -> list[str]:
+    """The names that appear more than once in `names`, sorted (empty when all are unique)."""
+    names = list(names)
+    return sorted({n for n in names if names.count(n) > 1})
+
+
 def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(values, str):
         raise TypeError(f'{what} must be a list of names, got the string {values!r}')
@@ -35,7 +41,7 @@ def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
     for name in names:
         if not isinstance(name, str) or not name:
             raise ValueError(f'{what} must be non-empty strings, got {name!r} in {list(names)}')
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    duplicates = repeated(names)
     if duplicates:
         raise ValueError(f'{what} must be unique, {duplicates} appear more than once')
     return names

@@ -221,7 +221,7 @@ class PolicyNode(LifecycleNode):
             limiter = motion_limiter(self._param)     # ... on bad motion limits
             if limiter.position_min is None and limiter.position_max is None:
                 self.get_logger().warning(NO_POSITION_LIMITS)
-            unlimited = unlimited_velocity_joints(self._param)
+            unlimited = unlimited_velocity_joints(self._param, limiter)
             if unlimited:
                 self.get_logger().warning(
                     f'max_joint_velocity is infinite for action joints {unlimited}: their '

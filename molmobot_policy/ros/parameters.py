@@ -21,6 +21,7 @@ from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescr
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.parameter import Parameter
 
+from molmobot_policy.preprocess.transforms import repeated
 from molmobot_policy.timing import ChunkStitcher, MotionLimiter
 
 DEFAULT_CAMERAS = [f'/cam{k}/image_raw' for k in range(8)]
@@ -393,9 +394,9 @@ def check_parameter_values(parameter) -> None:
         values = list(parameter(name))
         if not values:
             raise ParameterError(name, values, 'is empty; list at least one')
-        repeated = sorted({v for v in values if values.count(v) > 1})
-        if repeated:        # before the name checks below, which it would confuse
-            raise ParameterError(name, values, f'names {repeated} more than once; each must '
+        twice = repeated(values)
+        if twice:           # before the name checks below, which it would confuse
+            raise ParameterError(name, values, f'names {twice} more than once; each must '
                                                'appear once')
     unanchored = unanchored_action_joints(parameter)
     if unanchored and not parameter('allow_unanchored_action_joints'):
@@ -447,14 +448,15 @@ def unanchored_action_joints(parameter) -> list[str]:
             if k != parameter('gripper_index') and n not in joints]
 
 
-def unlimited_velocity_joints(parameter) -> list[str]:
-    """The action joints (but the `gripper_index` one, exempt by design) whose
-    max_joint_velocity is infinite (`.inf` in YAML): no velocity limit, and no limit on the
-    first point's distance from the measured state; `parameter(name)` -> its value."""
-    velocity = per_joint(parameter, 'max_joint_velocity') or []
+def unlimited_velocity_joints(parameter, limiter: MotionLimiter) -> list[str]:
+    """The action joints (but the `gripper_index` one, exempt by design) without a velocity
+    limit in `limiter` (`motion_limiter`'s: max_joint_velocity `.inf` in YAML): no limit on
+    their steps, nor on the first point's distance from the measured state;
+    `parameter(name)` -> its value."""
     names = list(parameter('action_joint_names'))
+    velocity = np.broadcast_to(limiter.max_velocity, (len(names),))
     return [n for k, (n, v) in enumerate(zip(names, velocity))
-            if k != parameter('gripper_index') and v == float('inf')]
+            if k != parameter('gripper_index') and np.isinf(v)]
 
 
 def per_joint(parameter, name: str) -> list[float] | None:

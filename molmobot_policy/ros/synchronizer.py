@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from molmobot_policy.preprocess.transforms import repeated
 from molmobot_policy.ros.codec import decode_image
 from molmobot_policy.types import Observation
 
@@ -261,10 +262,9 @@ class ObservationSynchronizer:
             problem = (f'joint state on {self.joint_state_topic!r}: {len(names)} names but '
                        f'{len(positions)} positions; expected equal lengths')
         elif len(set(names)) != len(names):
-            repeated = sorted({n for n in names if n in self._kept_joints
-                               and names.count(n) > 1})
-            if repeated:
-                problem = (f'joint state on {self.joint_state_topic!r}: joints {repeated} '
+            used = [n for n in repeated(names) if n in self._kept_joints]
+            if used:
+                problem = (f'joint state on {self.joint_state_topic!r}: joints {used} '
                            'appear more than once; expected each joint once')
         if problem:
             with self._lock:
