@@ -229,6 +229,19 @@ def test_empty_position_limits_in_a_parameter_file_warn_at_configure(start_polic
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
 
 
+def test_configure_notes_of_two_levels_are_logged_and_configure_succeeds(start_policy_node):
+    """The robot contract's configure notes mix INFO and WARN (here gripper_index on an arm
+    joint: the INFO naming it, the WARN doubting it). rclpy refuses two severities from one
+    call site; logged so, the second raised after configure and the node exited saying
+    only 'autostart failed'."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True, gripper_index=5))
+    assert node.wait_for_log('active:', 60.0), node.log()[-3000:]
+    log = node.log()
+    assert "[INFO]" in log and f"gripper_index 5: action joint '{JOINTS[5]}' is commanded" in log
+    assert f"gripper_index 5 points at '{JOINTS[5]}', whose name does not look like" in log
+    assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
+
+
 # The node's entry point with a probe of the order of the stop: whether the ROS context is
 # still up when destroy_node starts (it stops the worker first), and when it has returned.
 ORDER_PROBE = """

@@ -457,6 +457,21 @@ def test_configure_warns_when_gripper_index_points_at_a_joint_not_named_like_a_g
         "gripper's" in g.log.text('warning'), g.log.text()
 
 
+def test_an_error_after_the_engine_is_built_fails_configure_saying_why(graph, monkeypatch):
+    """A failure in configure's last steps (the notes logged after the engine is built)
+    left only 'autostart failed (see the error above)' with no error above: it is logged,
+    the engine closed, and the transition fails."""
+    from molmobot_policy.preprocess.transforms import RobotContract
+
+    def broken(self, model, trained=False):
+        raise RuntimeError('notes broke')
+    monkeypatch.setattr(RobotContract, 'notes', broken)
+    g = graph('safety_configure_tail', allow_random_weights=True)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    assert "configure failed: RuntimeError('notes broke')" in g.log.text('error'), g.log.text()
+    assert g.policy.engine is None
+
+
 def test_an_arm_measured_outside_its_position_limits_is_named_in_a_warning(graph):
     g = graph('safety_outside', allow_random_weights=True, joint_position_max=[0.1])
     g.positions[JOINTS[2]] = 0.5              # beyond joint_position_max

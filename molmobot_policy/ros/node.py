@@ -191,7 +191,14 @@ class PolicyNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         # seconds to minutes in the executor thread: a heartbeat publishes the status
         with self._idle.configuring('checking the parameters'):
-            return self._configure()
+            try:
+                return self._configure()
+            except Exception as error:  # noqa: BLE001 - past _configure's own reporting (the
+                # notes and warnings after the engine is built): never a silent failure
+                self.get_logger().error(f'configure failed: {error!r}')
+                self._close_engine()
+                self._idle.set(ERROR, f'configure failed, no commands are sent: {error!r}')
+                return TransitionCallbackReturn.FAILURE
 
     def _configuring(self, step: str) -> None:
         """Log the configure step and show it on the 'output' status (OK 'configuring: ...');
@@ -260,7 +267,10 @@ class PolicyNode(LifecycleNode):
         self._log_served()
         for level, note in self.contract.notes(self.engine.model_config,
                                                trained=not serves_random_weights(self.served)):
-            (self.get_logger().warning if level == 'WARN' else self.get_logger().info)(note)
+            if level == 'WARN':     # one severity per call site: rclpy raises otherwise
+                self.get_logger().warning(note)
+            else:
+                self.get_logger().info(note)
         unanchored = unanchored_action_joints(self._param)
         if unanchored:      # allowed: check_parameter_values refuses them otherwise
             self.get_logger().warning(
@@ -333,8 +343,10 @@ class PolicyNode(LifecycleNode):
         choice = choose_receiver(self._param('camera_receiver'), self._param('use_sim_time'),
                                  len(cameras), shm_free())
         self._receiver_choice = f'{choice.mode} ({choice.reason})'
-        (self.get_logger().warning if choice.warning else self.get_logger().info)(
-            f'camera_receiver: {self._receiver_choice}')
+        if choice.warning:      # one severity per call site: rclpy raises otherwise (an
+            self.get_logger().warning(f'camera_receiver: {self._receiver_choice}')
+        else:                   # activation after one that warned)
+            self.get_logger().info(f'camera_receiver: {self._receiver_choice}')
         if choice.mode == 'subprocess':
             self._receiver = CameraReceiver(self.get_name(), self.get_namespace(), cameras,
                                             self._param('camera_qos'))
