@@ -190,7 +190,7 @@ def test_buckets_too_small_for_the_images_are_refused_at_construction(engine):
 def test_a_default_instruction_too_long_is_refused_at_construction_or_truncated(engine):
     base = engine.text_inputs(INSTRUCTION).length
     long = INSTRUCTION + ' and then put it into the blue bowl on the left'
-    with pytest.raises(ValueError, match=r'configured instruction: instruction too long'):
+    with pytest.raises(ValueError, match=r'the instruction parameter is refused: instruction too long'):
         PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long),
                      model=engine.model)
     e = PolicyEngine(EngineConfig(model='tiny', buckets=(base + 8,), instruction=long,
@@ -320,6 +320,13 @@ def test_the_cluster_kernel_where_it_cannot_serve_fails_configure_saying_why():
     with pytest.raises(ValueError, match='fused_action_expert=cluster, but the kernel cannot '
                                          'serve: needs a CUDA device'):
         fused_kernel_choice(config, model.action_expert)
+
+
+def test_cuda_graphs_on_a_cpu_says_it_needs_cuda_before_asking_for_buckets():
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device, got device='cpu'"):
+        EngineConfig(model='tiny', cuda_graphs=True)
+    with pytest.raises(ValueError, match='cuda_graphs needs fixed shapes'):
+        EngineConfig(model='tiny', device='cuda', cuda_graphs=True)
 
 
 def test_fused_action_expert_takes_booleans_as_on_off():

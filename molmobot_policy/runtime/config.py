@@ -125,9 +125,9 @@ class EngineConfig:
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
         if any(b <= 0 for b in self.buckets):
             raise ValueError(f'buckets must be positive token counts, got {self.buckets}')
-        if self.cuda_graphs and not self.buckets:
-            raise ValueError('cuda_graphs needs fixed shapes: set buckets (e.g. [2048])')
         if self.cuda_graphs and not self.device.startswith('cuda'):
             raise ValueError(f'cuda_graphs needs a CUDA device, got device={self.device!r}')
+        if self.cuda_graphs and not self.buckets:
+            raise ValueError('cuda_graphs needs fixed shapes: set buckets (e.g. [2048])')
         if self.quantize != 'none' and not self.device.startswith('cuda'):
             raise ValueError(f'quantize={self.quantize!r} needs a CUDA device, got {self.device!r}')

@@ -111,7 +111,7 @@ class PolicyEngine:
             try:
                 self.check_instruction(config.instruction)
             except ValueError as error:
-                raise ValueError(f'configured instruction: {error}') from None
+                raise ValueError(f'the instruction parameter is refused: {error}') from None
         self.flow_steps = config.flow_steps or self.model_config.flow_steps
         self.model = model if model is not None else _load_model(config, self.model_config)
         self.load_seconds = time.perf_counter() - start
