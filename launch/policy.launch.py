@@ -31,6 +31,7 @@ from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
 PACKAGE = 'molmobot_policy'
+NODE_NAME = 'molmobot_policy'
 BOOLEAN = ('', 'true', 'false')
 LOG_LEVELS = ('debug', 'info', 'warn', 'error', 'fatal')
 
@@ -53,7 +54,9 @@ ARGUMENTS = {
                   'true: configure and activate at start; false: wait for lifecycle '
                   "transitions (<namespace>/molmobot_policy/change_state); '': the parameter "
                   "file's (default true)"),
-    'log_level': ('info', LOG_LEVELS, "the node's log level"),
+    'log_level': ('info', LOG_LEVELS,
+                  "the node's log level (its own logger, <namespace>.molmobot_policy: ROS's "
+                  'client libraries keep theirs)'),
     'camera_topics': ('', None,
                       "camera topics in the model's image order, a YAML list: "
                       "'[/front/image_raw, /wrist/image_raw]'; '': the parameter file's"),
@@ -114,6 +117,7 @@ def policy_node(context):
         raise ValueError(f'params_file:={params_file!r}: no such file (a typo? give an '
                          'absolute path, e.g. params_file:=$PWD/my_robot.yaml)')
     overrides = parameter_overrides(context)
+    namespace = LaunchConfiguration('namespace').perform(context)
     actions = []
     if not params_file and 'checkpoint_path' not in overrides:
         actions.append(LogInfo(msg=(
@@ -124,11 +128,19 @@ def policy_node(context):
             f'{os.path.join(get_package_share_directory(PACKAGE), "config", "policy_tiny.yaml")}')))
     parameters = ([params_file] if params_file else []) + ([overrides] if overrides else [])
     actions.append(Node(
-        package=PACKAGE, executable='policy_node', name='molmobot_policy',
-        namespace=LaunchConfiguration('namespace'), output='screen', emulate_tty=True,
+        package=PACKAGE, executable='policy_node', name=NODE_NAME, namespace=namespace, output='screen', emulate_tty=True,
         parameters=parameters,
-        ros_arguments=['--log-level', LaunchConfiguration('log_level')]))
+        ros_arguments=['--log-level', f'{node_logger_name(namespace)}:='
+                                      f"{LaunchConfiguration('log_level').perform(context)}"]))
     return actions
+
+
+def node_logger_name(namespace: str) -> str:
+    """The node's logger name in `namespace` ('robot1' or '/robot1': robot1.molmobot_policy),
+    so that --log-level sets the node's level, not every logger's (a bare level turns on the
+    DEBUG lines of rcl, rmw and Fast DDS)."""
+    parts = [part for part in namespace.split('/') if part]
+    return '.'.join([*parts, NODE_NAME])
 
 
 def generate_launch_description():

@@ -122,6 +122,21 @@ def test_the_default_is_refused_by_the_node_not_served_random_weights(tmp_path):
     assert 'RANDOM WEIGHTS' not in text, text[-4000:]
 
 
+def test_log_level_sets_the_nodes_logger_not_every_ros_logger(tmp_path):
+    """A bare --log-level debug turned on the DEBUG lines of rcl and rmw as well (a fresh-user
+    trial); the argument sets the node's logger, under the namespace."""
+    log = tmp_path / 'ros2_launch.log'
+    finish(ros2_launch(log, 'namespace:=ros2_launch_quiet', 'log_level:=debug'))
+    text = log.read_text(errors='replace')
+    assert 'checkpoint_path is empty' in text, text[-4000:]       # the node's ERROR line
+    assert not re.search(r'\[DEBUG\] \[[\d.]+\] \[(rcl|rmw|rcl_lifecycle)[^\]]*\]', text), \
+        text[-4000:]
+    log = tmp_path / 'ros2_launch_fatal.log'
+    finish(ros2_launch(log, 'namespace:=ros2_launch_quiet', 'log_level:=fatal'))
+    text = log.read_text(errors='replace')
+    assert 'checkpoint_path is empty' not in text, text[-4000:]   # below fatal: not printed
+
+
 def test_a_camera_topics_argument_that_is_no_list_is_named(tmp_path):
     log = tmp_path / 'ros2_launch.log'
     status = finish(ros2_launch(log, f'params_file:={TINY}', 'camera_topics:=/just/one/topic'),
