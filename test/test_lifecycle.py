@@ -242,6 +242,31 @@ def test_configure_notes_of_two_levels_are_logged_and_configure_succeeds(start_p
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
 
 
+# The node's entry point with an activation that fails half-way (its synchronizer refused)
+FAILING_ACTIVATION = """
+import sys
+from molmobot_policy.ros import node as node_module
+def refuse(*args, **kwargs):
+    raise ValueError('probe: the synchronizer refused its inputs')
+node_module.ObservationSynchronizer = refuse
+from molmobot_policy.ros.main import main
+sys.argv[0] = 'policy_node'
+raise SystemExit(main())
+"""
+
+
+def test_a_failing_activation_is_logged_with_its_reason(start_policy_node):
+    """Seventh fresh-user trial: an error raised in on_activate left only 'autostart failed
+    (see the error above)' with no error above it."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True), launcher=('-c',
+                                                                         FAILING_ACTIVATION))
+    assert node.wait_for_log('autostart failed', 60.0), node.log()[-3000:]
+    log = node.log()
+    assert re.search(r"\[ERROR\].*activate failed: ValueError\('probe: the synchronizer "
+                     r"refused its inputs'\)", log), log[-3000:]
+    assert 'Traceback' not in log, log[-3000:]
+
+
 # The node's entry point with a probe of the order of the stop: whether the ROS context is
 # still up when destroy_node starts (it stops the worker first), and when it has returned.
 ORDER_PROBE = """

@@ -268,6 +268,18 @@ def test_values_a_descriptor_cannot_check_are_refused_at_configure(ros_context, 
     assert any(f"'{name}'" in e and repr(value) in e and expected in e for e in errors), errors
 
 
+def test_camera_topics_that_resolve_to_one_topic_fail_configure_naming_them(ros_context):
+    """Seventh fresh-user trial: '/cam1/image_raw' and 'cam1/image_raw' (the same topic in
+    the root namespace) passed the check of the names as written, then activation failed
+    with no reason logged."""
+    default = list(PARAMETERS['camera_topics'][0])
+    cameras = [*default[:-1], default[0].lstrip('/')]
+    config, errors = _configure(ros_context, 'param_resolved_twice', camera_topics=cameras)
+    assert config is None
+    assert any(f"all resolve to {default[0]}" in e and 'each input needs its own topic' in e
+               for e in errors), errors
+
+
 def test_an_empty_topic_or_joint_list_is_refused():
     """(rclpy cannot type an empty list parameter; a list that ends up empty is refused.)"""
     from molmobot_policy.ros.parameters import check_parameter_values

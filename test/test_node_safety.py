@@ -16,6 +16,8 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy')
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+import rclpy.duration  # noqa: E402
+import rclpy.time  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
@@ -109,6 +111,7 @@ class _Graph(InProcessGraph):
         self.trajectories, self.infos, self.diagnostics = [], [], []
         self.positions = {n: 0.0 for n in JOINTS}
         self.encodings, self.sizes = {}, {}    # per camera topic: not rgb8, not 32 x 32
+        self.lags = {}                         # per camera topic: stamped this long ago, s
         fqn = self.policy.get_fully_qualified_name()
         self.peer.create_subscription(JointTrajectory, f'{fqn}/joint_trajectory',
                                       self._keep(self.trajectories), 10)
@@ -139,6 +142,9 @@ class _Graph(InProcessGraph):
             msg = Image(height=height, width=width, encoding=encoding, step=3 * width,
                         data=bytes(3 * width * height))
             msg.header.stamp = stamp
+            if topic in self.lags:
+                msg.header.stamp = (rclpy.time.Time.from_msg(stamp) - rclpy.duration.Duration(
+                    seconds=self.lags[topic])).to_msg()
             publisher.publish(msg)
         state = JointState(name=list(self.positions), position=list(self.positions.values()))
         state.header.stamp = stamp
@@ -495,6 +501,48 @@ def test_a_camera_sending_tiny_frames_is_refused_naming_min_image_size(graph):
     assert g.trajectories == []
     g.sizes.clear()                           # the driver recovers: chunks flow again
     assert g.wait_for(lambda: g.trajectories), g.log.text()
+
+
+def test_a_camera_lagging_the_others_skips_the_tick_naming_it_until_it_catches_up(graph):
+    """Seventh fresh-user trial: a camera stamped 0.4 s behind the others was served with
+    them in one observation."""
+    g = graph('safety_spread', allow_random_weights=True, max_image_spread=0.2)
+    g.lags[g.cameras[1]] = 0.35
+    g.start()
+
+    def camera():
+        return g.status(f'camera {g.cameras[1]}')
+    assert g.wait_for(lambda: camera() is not None and 'max_image_spread' in camera().message)
+    assert f'lags camera {g.cameras[0]} by 0.3' in camera().message
+    assert g.trajectories == []
+    assert f'camera {g.cameras[1]} lags camera {g.cameras[0]}' in g.log.text('warning')
+    g.lags.clear()
+    assert g.wait_for(lambda: g.trajectories), g.log.text()
+    assert g.wait_for(lambda: _level(camera()) == DiagnosticStatus.OK), camera().message
+
+
+def test_a_camera_topic_carrying_another_message_type_is_named_in_the_skip(graph):
+    """Seventh fresh-user trial: CompressedImage on a raw camera topic read only 'has no
+    image yet'."""
+    from sensor_msgs.msg import CompressedImage
+    name = 'safety_wrong_type'
+    wrong = f'/{name}_compressed_here'
+    g = graph(name, allow_random_weights=True, camera_topics=[f'/{name}_cam0', wrong])
+    # another participant (a camera driver's process): one participant refuses a topic
+    # under two types
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        driver = rclpy.create_node(f'{name}_driver', context=context)
+        publisher = driver.create_publisher(CompressedImage, wrong, qos_profile_sensor_data)
+        publisher.publish(CompressedImage(format='jpeg'))
+        g.start()
+        expected = (f'camera {wrong} has no image yet: its publishers send '
+                    'sensor_msgs/msg/CompressedImage, this node expects sensor_msgs/msg/Image '
+                    '(camera_transports?)')
+        assert g.wait_for(lambda: expected in g.log.text('warning')), g.log.text()
+    finally:
+        rclpy.try_shutdown(context=context)
 
 
 # ------------------------------------------------------------------ compressed cameras

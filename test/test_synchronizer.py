@@ -382,22 +382,105 @@ def test_stats_name_an_undecodable_camera_until_a_good_frame_decodes():
     assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
 
 
-def test_a_camera_problem_clears_when_a_frame_unlike_the_refused_one_arrives():
-    # a fresh-user trial fixed the camera's encoding while a joint was missing: the ticks
-    # skipped for the joint before decoding the camera, and its status kept naming the old
-    # encoding for as long as the joint was missing
+def test_a_cameras_decode_fault_is_named_while_another_input_skips_the_tick():
+    """Seventh fresh-user trial: a camera sending 16UC1 showed OK while another camera was
+    missing (frames were decoded only once every other input passed), so the operator fixed
+    one fault and then met the next."""
+    sync = _sync()
+    bad = _image(1)
+    bad.encoding = 'yuv422'
+    sync.add_image(CAMERAS[1], bad, 10.0, 10.0)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 10.0, 10.0)       # camera 0 never sends
+    skip = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and set(skip.topics) == set(CAMERAS)
+    assert f'camera {CAMERAS[0]} has no image yet' in str(skip) and "'yuv422'" in str(skip)
+    assert "'yuv422'" in sync.stats(now=10.1)[CAMERAS[1]].problem
+
+
+def test_a_camera_switching_between_faults_is_never_shown_ok_in_between():
+    """The trial saw a camera's status flick to OK at a switch 16UC1 -> yuv422: a frame of
+    another layout cleared the problem before it was decoded."""
     sync = _with_undecodable_frame(CAMERAS[1])
     sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
-    assert "'yuv422'" in sync.stats(now=10.1)[CAMERAS[1]].problem
-    again = _image(3)
-    again.encoding = 'yuv422'                         # the same fault again: still named
-    sync.add_image(CAMERAS[1], again, 10.15, 10.15)
-    assert "'yuv422'" in sync.stats(now=10.15)[CAMERAS[1]].problem
-    sync.add_image(CAMERAS[1], _image(2), 10.2, 10.2)    # fixed, not yet decoded
-    assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
+    other = _image(3)
+    other.encoding = '16UC1'
+    sync.add_image(CAMERAS[1], other, 10.15, 10.15)
+    assert sync.stats(now=10.15)[CAMERAS[1]].problem != ''       # not yet judged: still named
+    sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0)
+    assert "'16UC1'" in sync.stats(now=10.2)[CAMERAS[1]].problem
+
+
+def test_a_fixed_camera_clears_at_the_next_build_even_while_a_joint_is_bad():
+    sync = _with_undecodable_frame(CAMERAS[1])
+    sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0)
+    sync.add_image(CAMERAS[1], _image(2), 10.2, 10.2)
     sync.add_joint_state(['joint_a'], [float('nan')], 10.2, 10.2)
     assert isinstance(sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0), Skip)
     assert sync.stats(now=10.2)[CAMERAS[1]].problem == ''
+
+
+def test_a_camera_lagging_the_others_beyond_max_image_spread_is_refused_and_named():
+    """Seventh fresh-user trial: a camera stamped 0.4 s (and, with max_image_age raised, 2 s)
+    behind the others was served in one observation with them."""
+    sync = _sync()
+    sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+    sync.add_image(CAMERAS[1], _image(1), 9.6, 10.0)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 10.0, 10.0)
+    skip = sync.build(now=10.05, max_image_age=1.0, max_state_age=1.0, max_image_spread=0.2)
+    assert isinstance(skip, Skip) and skip.topics == (CAMERAS[1],)
+    assert (f'camera {CAMERAS[1]} lags camera {CAMERAS[0]} by 0.400 s > max_image_spread '
+            '0.200 s') in str(skip)
+    assert 'lags' in sync.stats(now=10.05)[CAMERAS[1]].problem
+    assert sync.stats(now=10.05)[CAMERAS[0]].problem == ''
+    sync.add_image(CAMERAS[1], _image(2), 9.9, 10.1)              # back within the spread
+    obs = sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0, max_image_spread=0.2)
+    assert isinstance(obs, Observation) and obs.image_stamps == (10.0, 9.9)
+    assert sync.stats(now=10.1)[CAMERAS[1]].problem == ''
+
+
+def test_a_stale_camera_whose_frames_keep_arriving_is_told_apart_from_a_dead_one():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    sync.add_image(CAMERAS[1], _image(2), 10.5, 12.5)     # arrives now, stamped 2 s ago
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 12.5, 12.5)
+    skip = str(sync.build(now=12.5, max_image_age=0.5, max_state_age=0.5))
+    assert f'camera {CAMERAS[1]} is stale: age 2.000 s' in skip
+    assert "frames keep arriving (the newest 0.000 s ago) with stamps that old" in skip
+    dead = skip.split('; ')[0]
+    assert dead.startswith(f'camera {CAMERAS[0]} is stale') and 'keep arriving' not in dead
+
+
+def test_no_image_yet_carries_the_input_hint():
+    hints = {CAMERAS[0]: ': a publisher of sensor_msgs/msg/CompressedImage is on it'}
+    sync = _sync(input_hint=lambda topic: hints.get(topic, ''))
+    sync.add_image(CAMERAS[1], _image(1), 10.0, 10.0)
+    skip = str(sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0))
+    assert (f'camera {CAMERAS[0]} has no image yet: a publisher of '
+            'sensor_msgs/msg/CompressedImage is on it') in skip
+
+
+def test_a_camera_changing_its_layout_is_logged_once_per_interval(caplog):
+    sync = _sync()
+    with caplog.at_level('WARNING', logger='molmobot_policy.inputs'):
+        sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+        sync.add_image(CAMERAS[0], _image(1), 10.1, 10.1)
+        assert caplog.records == []                          # the same layout: nothing
+        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 10.2, 10.2)
+        sync.add_image(CAMERAS[0], _image(1), 10.3, 10.3)    # within LAYOUT_LOG_S: counted
+        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 25.0, 25.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to mono8 2x3')
+    assert 'from rgb8 2x3 to mono8 2x3 (2 changes since the last such line)' in lines[1]
+
+
+def test_a_stale_action_joint_names_the_refused_message():
+    """The trial's first skip for future-stamped joint states said 'stale' without why."""
+    sync = _sync()
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 10.0, 10.0)
+    sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], 12.0, 11.0)       # 1 s in the future
+    problem = sync.position_problem(['joint_a'], now=11.0, max_age=0.5)
+    assert 'is stale for action joints' in problem and 'in the future' in problem
 
 
 def test_a_refused_joint_state_is_named_in_stats_and_in_the_skip():

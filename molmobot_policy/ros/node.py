@@ -36,6 +36,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
+from molmobot_policy.preprocess.transforms import repeated
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver, shm_free
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
@@ -224,6 +225,7 @@ class PolicyNode(LifecycleNode):
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
+            self._check_resolved_inputs()
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             limiter = motion_limiter(self._param)     # ... on bad motion limits
             if limiter.position_min is None and limiter.position_max is None:
@@ -321,8 +323,57 @@ class PolicyNode(LifecycleNode):
         self._idle.step(message)
         self.get_logger().info(message)
 
+    def _input_hint(self, expected: dict, topic: str) -> str:
+        """Why nothing may arrive on `topic` (resolved), from the ROS graph: ': nothing
+        publishes it', its publishers' message type when not `expected[topic]`, or best
+        effort publishers for a reliable camera_qos; '' when none of these."""
+        try:
+            publishers = self.get_publishers_info_by_topic(topic)
+        except Exception:  # noqa: BLE001 - a hint only, never a reason to fail the tick
+            return ''
+        wanted = expected.get(topic, '')
+        if not publishers:
+            return ': nothing publishes it (ROS graph)'
+        types = sorted({p.topic_type for p in publishers})
+        if wanted and wanted not in types:
+            return (f": its publishers send {', '.join(types)}, this node expects {wanted}"
+                    + (' (camera_transports?)' if 'Image' in wanted else ''))
+        if topic != self._sync.joint_state_topic and \
+                self._param('camera_qos') == 'reliable' and \
+                all(p.qos_profile.reliability == ReliabilityPolicy.BEST_EFFORT
+                    for p in publishers):
+            return ': its publishers are best effort and camera_qos is reliable (incompatible)'
+        return ''
+
+    def _check_resolved_inputs(self) -> None:
+        """ValueError when two camera entries, or a camera and the joint state, resolve to one
+        topic (a relative and an absolute name in the root namespace, a remap rule): the
+        parameter check sees only the names as written."""
+        written = [t for t, _ in camera_subscriptions(self._param)]
+        joint_state_topic = self._param('joint_state_topic')
+        resolved = [self.resolve_topic_name(t) for t in [*written, joint_state_topic]]
+        twice = repeated(resolved)
+        if twice:
+            names = {topic: [w for w, r in zip([*written, joint_state_topic], resolved)
+                             if r == topic] for topic in twice}
+            raise ValueError('camera_topics / joint_state_topic: ' + '; '.join(
+                f'{ws} all resolve to {topic}' for topic, ws in names.items())
+                + ' (namespace, relative names, remap rules); each input needs its own topic')
+
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._check_not_shut_down()     # a stop requested after configure: no worker
+        try:
+            self._activate()
+        except Exception as error:  # noqa: BLE001 - never a silent failure, nothing half-built
+            self.get_logger().error(f'activate failed: {error!r}')
+            try:
+                self._release_active()
+            finally:
+                self._idle.set(ERROR, f'activate failed, no commands are sent: {error!r}')
+            return TransitionCallbackReturn.FAILURE
+        return super().on_activate(state)
+
+    def _activate(self) -> None:
         self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         subscribed = camera_subscriptions(self._param)
@@ -334,7 +385,12 @@ class PolicyNode(LifecycleNode):
             joint_state_topic=self.resolve_topic_name(joint_state_topic),
             max_future=self._param('max_future_stamp'),
             action_joint_names=self._param('action_joint_names'),
-            min_image_size=self._param('min_image_size'))
+            min_image_size=self._param('min_image_size'),
+            input_hint=functools.partial(
+                self._input_hint, {**{topic: 'sensor_msgs/msg/CompressedImage' if compressed
+                                      else 'sensor_msgs/msg/Image' for topic, compressed in cameras},
+                                   self.resolve_topic_name(joint_state_topic):
+                                   'sensor_msgs/msg/JointState'}))
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
         else:
@@ -396,12 +452,21 @@ class PolicyNode(LifecycleNode):
             f"active: {len(cameras)} cameras ({', '.join(t for t, _ in cameras)}), chunk every "
             f"{self._param('chunk_period')} s, actions every {self._param('control_period')} s, "
             f"publishing on {self._trajectory_pub.topic_name}; serving {self.served}")
-        return super().on_activate(state)
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release_active()
+        self._idle.set(WARN, 'inactive (deactivated): no commands are sent')
+        chunks = self.loop.stats.chunks_published if self.loop else 0
+        self.get_logger().info(f"deactivated after {chunks} chunk{'' if chunks == 1 else 's'}")
+        return super().on_deactivate(state)
+
+    def _release_active(self) -> None:
+        """Stop and remove what activation built (the worker, the receiver, subscriptions,
+        publishers, diagnostics); safe on a half-built activation."""
         self._stop_loop()
         self._stop_receiver()
-        self._watchdog.stop()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self.gc_pauses.remove()
         for subscription in self._input_subscriptions:
             self.destroy_subscription(subscription)
@@ -413,10 +478,6 @@ class PolicyNode(LifecycleNode):
         if self._diagnostics is not None:
             self._diagnostics.destroy()
             self._diagnostics = None
-        self._idle.set(WARN, 'inactive (deactivated): no commands are sent')
-        chunks = self.loop.stats.chunks_published if self.loop else 0
-        self.get_logger().info(f"deactivated after {chunks} chunk{'' if chunks == 1 else 's'}")
-        return super().on_deactivate(state)
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._close_engine()
@@ -558,7 +619,8 @@ class PolicyNode(LifecycleNode):
         if problem:
             return f'{problem}: no camera frames arrive'
         return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
-                                instruction=instruction)
+                                instruction=instruction,
+                                max_image_spread=self._param('max_image_spread'))
 
     def _measured(self):
         """(positions, stamp) of the action joints for the loop's MotionLimiter

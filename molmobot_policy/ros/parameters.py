@@ -113,6 +113,11 @@ PARAMETERS = {
     'max_image_age': (0.5, descriptor(
         'seconds; a camera whose newest header stamp is older is stale and the tick skipped',
         _D, read_only=False, float_range=(0.0, 3600.0))),
+    'max_image_spread': (0.2, descriptor(
+        'seconds; a camera whose newest header stamp is further behind the newest camera\'s '
+        'is refused and the tick skipped, naming it (one observation would mix views taken '
+        'that far apart); about two frame intervals of the slowest camera', _D,
+        read_only=False, float_range=(0.0, 3600.0))),
     'max_state_age': (0.5, descriptor(
         'seconds; same for the joint state', _D, read_only=False, float_range=(0.0, 3600.0))),
     'max_future_stamp': (0.05, descriptor(

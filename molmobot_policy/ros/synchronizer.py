@@ -13,6 +13,7 @@ Times are plain float seconds in ROS time (header stamps, and `now` from the nod
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -32,11 +33,13 @@ PROBLEM_CLEAR_S = 0.2  # an input's problem ends after this long of usable messa
                        # driver that interleaves bad and good messages (a NaN now and then)
                        # keeps its problem's start, so its status escalates to ERROR as a
                        # steady problem does, instead of restarting WARN at each good one
+LAYOUT_LOG_S = 10.0    # a camera's frame layout changing mid-run is logged at most this often
 RATE_RESTART_S = 1.0   # a receive time this far before the last one is ROS time gone back (sim
                        # time restarted): the rate window starts over. Smaller steps back are
                        # callbacks on two threads stamping out of order, not a new time base
 DECODE_THREADS = 8     # the decode pool: one thread per camera of the 8-camera contract
 _decode_pool: ThreadPoolExecutor | None = None
+log = logging.getLogger('molmobot_policy.inputs')
 _decode_pool_lock = threading.Lock()
 
 
@@ -109,17 +112,12 @@ class TopicStats:
     joint_ages: dict[str, float] | None = None
 
 
-def frame_layout(msg) -> tuple:
-    """What decoding an image message depends on besides its pixel values: encoding, height,
-    width, step and byte count (sensor_msgs/Image, `frame_slots.RawFrame`), or the format
-    (CompressedImage, `frame_slots.CompressedFrame`; its byte count varies frame to frame)."""
+def _layout_text(msg) -> str:
+    """'rgb8 480x640' (encoding, height x width) or 'compressed jpeg': a frame's layout as
+    logged when it changes."""
     if hasattr(msg, 'format'):
-        return ('compressed', msg.format)
-    try:
-        size = len(msg.data)
-    except ValueError:          # a frame that did not fit its shared-memory slot
-        size = -1
-    return (msg.encoding, msg.height, msg.width, msg.step, size)
+        return f'compressed {msg.format}'
+    return f'{msg.encoding} {msg.height}x{msg.width}'
 
 
 class ObservationSynchronizer:
@@ -140,6 +138,9 @@ class ObservationSynchronizer:
             `latest_positions` (the commanded joints; those in joint_names are kept anyway).
         min_image_size: (height, width) pixels; a decoded frame smaller in either is refused
             like an undecodable one ((0, 0): no minimum).
+        input_hint: topic -> '' or a clause naming why no message may arrive on it (the node
+            asks the ROS graph: a publisher of another message type), appended to 'has no
+            image yet' / 'has no message yet'.
 
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
@@ -161,7 +162,8 @@ class ObservationSynchronizer:
                  decode: Callable[[object, str], np.ndarray] = decode_image,
                  rate_window: int = 30, max_future: float = 0.05,
                  action_joint_names: Sequence[str] = (),
-                 min_image_size: Sequence[int] = (0, 0)) -> None:
+                 min_image_size: Sequence[int] = (0, 0),
+                 input_hint: Callable[[str], str] | None = None) -> None:
         self.camera_topics = tuple(camera_topics)
         self.joint_names = tuple(joint_names)
         self.joint_state_topic = joint_state_topic
@@ -183,6 +185,7 @@ class ObservationSynchronizer:
         self.action_joint_names = tuple(action_joint_names)
         self._kept_joints = frozenset(self.joint_names + self.action_joint_names)
         self._decode = decode
+        self._input_hint = input_hint or (lambda topic: '')
         self._lock = threading.Lock()
         self._frames: dict[str, _Frame] = {}
         self._joints: dict[str, tuple[float, float]] = {}    # name -> (position, stamp)
@@ -194,8 +197,10 @@ class ObservationSynchronizer:
         self._refused: dict[str, str] = {}         # per input, why its last message was not stored
         self._problem_since: dict[str, float] = {}  # per input, when its problem began
         self._clean_since: dict[str, float] = {}    # ... and its first usable message after
-        self._refused_layout: dict[str, tuple] = {}  # per camera, `frame_layout` of the frame
-                                                     # that failed to decode
+        self._lagging: dict[str, str] = {}         # per camera, how far it lags the others
+        self._layouts: dict[str, str] = {}          # per camera, `_layout_text` of its newest frame
+        self._layout_logged: dict[str, float] = {}  # ... when a change of it was last logged
+        self._layout_changes: dict[str, int] = {}   # ... changes since, not logged
         self._seq = 0
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
 
@@ -234,13 +239,30 @@ class ObservationSynchronizer:
             if current is not None and stamp < current.stamp:
                 return False
             self._frames[topic] = _Frame(msg, float(stamp), float(received))
-            layout = self._refused_layout.get(topic)
-            if layout is not None and layout != frame_layout(msg):
-                # a frame unlike the one that failed: its decode problem is no longer news
-                # (it is decoded, and judged, only when a tick uses it)
-                del self._refused_layout[topic]
-                self._note_problem(self._problems, topic, '', received)
-            return True
+            change = self._layout_change(topic, msg, received)
+        if change:
+            log.warning(change)
+        return True
+
+    def _layout_change(self, topic: str, msg, received: float) -> str:
+        """The line to log when `msg`'s layout (encoding, size) differs from the topic's last
+        frame's (a camera reconfigured mid-run: a colour camera sending mono8 is replicated
+        to grey RGB and served), at most once per LAYOUT_LOG_S per topic; else ''. Holds
+        the lock."""
+        layout = _layout_text(msg)
+        before, self._layouts[topic] = self._layouts.get(topic), layout
+        if before is None or before == layout:
+            return ''
+        self._layout_changes[topic] = self._layout_changes.get(topic, 0) + 1
+        last = self._layout_logged.get(topic)
+        if last is not None and 0.0 <= received - last < LAYOUT_LOG_S:
+            return ''
+        self._layout_logged[topic] = received
+        count = self._layout_changes.pop(topic)
+        more = f' ({count} changes since the last such line)' if count > 1 else ''
+        return (f'camera {topic}: frames changed from {before} to {layout}{more}; the model '
+                'gets them resized to its input as they come: is the camera configured as '
+                'in training?')
 
     def add_joint_state(self, names: Sequence[str], positions: Sequence[float], stamp: float,
                         received: float) -> None:
@@ -341,8 +363,9 @@ class ObservationSynchronizer:
                     f'joints {bad}')
         stale = [n for n, j in found.items() if j is not None and now - j[1] > max_age]
         if stale:
+            why = self.refused(self.joint_state_topic)
             return (f'joint state {self.joint_state_topic} is stale for action joints '
-                    + self._stale_text(stale, now, max_age))
+                    + self._stale_text(stale, now, max_age) + (f' ({why})' if why else ''))
         return ''
 
     def _stale_text(self, stale: list[str], now: float, max_age: float) -> str:
@@ -395,7 +418,7 @@ class ObservationSynchronizer:
             self._clean_since.pop(topic, None)
             return
         table.pop(topic, None)
-        if topic in self._refused or topic in self._problems or \
+        if topic in self._refused or topic in self._problems or topic in self._lagging or \
                 topic not in self._problem_since:
             return
         if t - self._clean_since.setdefault(topic, t) >= PROBLEM_CLEAR_S:
@@ -421,7 +444,7 @@ class ObservationSynchronizer:
 
     # ------------------------------------------------------------------- build (worker)
     def build(self, now: float, max_image_age: float, max_state_age: float,
-              instruction: str = '') -> Observation | Skip:
+              instruction: str = '', max_image_spread: float = math.inf) -> Observation | Skip:
         """Assemble the newest inputs into an Observation, or say why not.
 
         Args:
@@ -429,13 +452,18 @@ class ObservationSynchronizer:
             max_image_age: a frame whose header stamp is older than now - max_image_age is
                 stale, s. max_state_age: same for each joint's position, s.
             instruction: task text copied into the observation.
+            max_image_spread: s; a camera whose newest header stamp is further behind the
+                newest camera's is refused (one observation would mix views taken that far
+                apart), named with how far it lags.
 
         Returns:
             Observation with images (uint8 (H, W, 3) RGB, camera order), state (float32
             (len(joint_names),), joint-name order), stamp = oldest input header stamp, a
-            seq one higher than the previous one; or Skip naming every missing, stale or
-            undecodable camera topic and missing or stale joint. Never returns an
+            seq one higher than the previous one; or Skip naming every missing, stale,
+            lagging or undecodable camera topic and missing or stale joint. Never returns an
             observation that uses an input older than one used by an earlier observation.
+            Every fresh frame is decoded (once) even when another input skips the tick, so
+            that a camera's own fault is named at once, not after the others are fixed.
         """
         self.last_build_decoded, self.last_build_decode_s = 0, 0.0
         with self._lock:
@@ -443,19 +471,90 @@ class ObservationSynchronizer:
             joints = {n: self._joints.get(n) for n in self.joint_names}
             any_joint = bool(self._joints)
             refused = dict(self._refused)
-        reasons, topics = [], []
+        reasons, topics, usable = [], [], {}
         for topic, frame in frames.items():
             why = f' ({refused[topic]})' if topic in refused else ''
             if frame is None:
-                reasons.append(f'camera {topic} has no image yet{why}')
+                reasons.append(f'camera {topic} has no image yet{why}{self._input_hint(topic)}')
                 topics.append(topic)
             elif self.stamp_problem(frame.stamp, now):
                 reasons.append(f'camera {topic} {self.stamp_problem(frame.stamp, now)}')
                 topics.append(topic)
             elif now - frame.stamp > max_image_age:
+                arriving = ('; its frames keep arriving (the newest '
+                            f'{max(now - frame.received, 0.0):.3f} s ago) with stamps that old: '
+                            "the driver's latency or its clock"
+                            if now - frame.received <= max_image_age and not why else '')
                 reasons.append(f'camera {topic} is stale: age {now - frame.stamp:.3f} s > '
-                               f'max_image_age {max_image_age:.3f} s{why}')
+                               f'max_image_age {max_image_age:.3f} s{why}{arriving}')
                 topics.append(topic)
+            else:
+                usable[topic] = frame
+        if usable:
+            self._check_spread(usable, max_image_spread, now, reasons, topics)
+        self._check_joints(joints, any_joint, refused, now, max_state_age, reasons, topics)
+
+        pending = [(topic, frame) for topic, frame in usable.items() if frame.decoded is None]
+        errors = {}
+        if pending:
+            began = time.perf_counter()
+            errors = dict(zip((topic for topic, _ in pending), self._decode_frames(pending)))
+            self.last_build_decode_s = time.perf_counter() - began
+            self.frames_decoded += len(pending)
+            self.last_build_decoded = len(pending)
+        for topic, error in errors.items():
+            with self._lock:
+                self._note_problem(self._problems, topic,
+                                   f'newest frame refused: {error}' if error else '', now)
+            if error is not None:
+                reasons.append(str(error))
+                topics.append(topic)
+        if reasons:
+            return Skip(tuple(reasons), tuple(topics))
+
+        stamps = {t: f.stamp for t, f in frames.items()}
+        stamps.update({f'joint:{n}': j[1] for n, j in joints.items()})
+        older = [k for k, s in stamps.items() if s < self._last_stamps.get(k, -np.inf)]
+        if older:
+            return Skip(tuple(f'{k} went back in time' for k in older), tuple(older))
+
+        self._last_stamps = stamps
+        self._seq += 1
+        image_stamps = tuple(f.stamp for f in frames.values())
+        state_stamp = min(j[1] for j in joints.values())
+        return Observation(
+            images=tuple(f.decoded for f in frames.values()),
+            state=np.array([joints[n][0] for n in self.joint_names], dtype=np.float32),
+            instruction=instruction,
+            stamp=min(min(image_stamps), state_stamp),
+            image_stamps=image_stamps,
+            state_stamp=state_stamp,
+            seq=self._seq,
+        )
+
+    def _check_spread(self, usable: dict, max_spread: float, now: float, reasons: list,
+                      topics: list) -> None:
+        """Append a reason for each camera of `usable` (topic -> frame) whose stamp is more
+        than `max_spread` s behind the newest one's, and keep it as that camera's problem
+        (diagnostics) until a build finds it within the spread."""
+        lead = max(usable, key=lambda t: usable[t].stamp)
+        newest = usable[lead].stamp
+        for topic, frame in usable.items():
+            behind = newest - frame.stamp
+            problem = (f'camera {topic} lags camera {lead} by {behind:.3f} s > '
+                       f'max_image_spread {max_spread:.3f} s: one observation would mix views '
+                       "taken that far apart (the camera's latency or its clock?)"
+                       if behind > max_spread else '')
+            with self._lock:
+                self._note_problem(self._lagging, topic, problem, now)
+            if problem:
+                reasons.append(problem)
+                topics.append(topic)
+
+    def _check_joints(self, joints: dict, any_joint: bool, refused: dict, now: float,
+                      max_state_age: float, reasons: list, topics: list) -> None:
+        """Append the reasons the joints of `joints` (name -> (position, stamp) or None)
+        cannot be used: missing, stale, future-stamped, non-finite."""
         missing = [n for n, j in joints.items() if j is None]
         future = [n for n, j in joints.items() if j is not None and self.stamp_problem(j[1], now)]
         stale = [n for n, j in joints.items() if j is not None and now - j[1] > max_state_age]
@@ -466,7 +565,7 @@ class ObservationSynchronizer:
                            or self._problems.get(self.joint_state_topic, ''))
             what = (f'lacks joints {missing}' if any_joint
                     else f'has no usable position for joints {missing}' if problem
-                    else 'has no message yet')
+                    else 'has no message yet' + self._input_hint(self.joint_state_topic))
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:
@@ -482,55 +581,6 @@ class ObservationSynchronizer:
                            f'for joints {nonfinite}')
         if missing or stale or future or nonfinite:
             topics.append(self.joint_state_topic)
-        if reasons:
-            return Skip(tuple(reasons), tuple(topics))
-
-        stamps = {t: f.stamp for t, f in frames.items()}
-        stamps.update({f'joint:{n}': j[1] for n, j in joints.items()})
-        older = [k for k, s in stamps.items() if s < self._last_stamps.get(k, -np.inf)]
-        if older:
-            return Skip(tuple(f'{k} went back in time' for k in older), tuple(older))
-
-        pending = [(topic, frame) for topic, frame in frames.items() if frame.decoded is None]
-        errors = {}
-        if pending:
-            began = time.perf_counter()
-            errors = dict(zip((topic for topic, _ in pending), self._decode_frames(pending)))
-            self.last_build_decode_s = time.perf_counter() - began
-            self.frames_decoded += len(pending)
-            self.last_build_decoded = len(pending)
-        images = []
-        for topic, frame in frames.items():
-            if topic in errors:
-                error = errors[topic]
-                with self._lock:
-                    self._note_problem(self._problems, topic,
-                                       f'newest frame refused: {error}' if error else '', now)
-                    if error:
-                        self._refused_layout[topic] = frame_layout(frame.msg)
-                    else:
-                        self._refused_layout.pop(topic, None)
-                if error is not None:
-                    reasons.append(str(error))
-                    topics.append(topic)
-                    continue
-            images.append(frame.decoded)
-        if reasons:
-            return Skip(tuple(reasons), tuple(topics))
-
-        self._last_stamps = stamps
-        self._seq += 1
-        image_stamps = tuple(f.stamp for f in frames.values())
-        state_stamp = min(j[1] for j in joints.values())
-        return Observation(
-            images=tuple(images),
-            state=np.array([joints[n][0] for n in self.joint_names], dtype=np.float32),
-            instruction=instruction,
-            stamp=min(min(image_stamps), state_stamp),
-            image_stamps=image_stamps,
-            state_stamp=state_stamp,
-            seq=self._seq,
-        )
 
     def _decode_frames(self, pending: list) -> list:
         """Decode each (topic, frame) of `pending` into frame.decoded, on the decode pool when
@@ -566,7 +616,8 @@ class ObservationSynchronizer:
                 # measured up to now, so the rate decays when a topic stops
                 span = max(now, times[-1]) - times[0] if times else 0.0
                 rate = (len(times) - 1) / span if len(times) >= 2 and span > 0 else 0.0
-                problem = self._refused.get(topic) or self._problems.get(topic, '')
+                problem = (self._refused.get(topic) or self._problems.get(topic)
+                           or self._lagging.get(topic, ''))
                 since = self._problem_since.get(topic) if problem else None
                 if topic == self.joint_state_topic:
                     seen = [self._joints.get(n) for n in self.joint_names]
