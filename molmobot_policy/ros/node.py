@@ -49,7 +49,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
                                             widen_integers)
-from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport
+from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport, RepeatedLines
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
                                          served_weights, serves_random_weights)
@@ -102,6 +102,7 @@ class PolicyNode(LifecycleNode):
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
+        self._repeats = RepeatedLines()     # the input warnings that repeat, per topic
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
         self._receiver_failed = ''      # the receiver's exit, logged once per exit
@@ -551,8 +552,9 @@ class PolicyNode(LifecycleNode):
                 self._warn_refused(topic, refused)
 
     def _warn_refused(self, topic: str, refused: str) -> None:
-        self.get_logger().warning(f'camera {topic}: {refused}',
-                                  throttle_duration_sec=WARN_THROTTLE_S)
+        suffix = self._repeats.due(topic, refused)
+        if suffix is not None:
+            self.get_logger().warning(f'camera {topic}: {refused}{suffix}')
 
     def _poll_receiver(self) -> str:
         """camera_receiver subprocess: the newest frames into the synchronizer (worker
@@ -605,9 +607,9 @@ class PolicyNode(LifecycleNode):
                                       throttle_duration_sec=WARN_THROTTLE_S)
             return
         refused = self._sync.refused(topic)
-        if refused:
-            self.get_logger().warning(f'joint state {topic}: {refused}',
-                                      throttle_duration_sec=WARN_THROTTLE_S)
+        suffix = self._repeats.due(topic, refused) if refused else None
+        if suffix is not None:
+            self.get_logger().warning(f'joint state {topic}: {refused}{suffix}')
 
     # ------------------------------------------------------------ the loop's injections
     def _observe(self, now: float):

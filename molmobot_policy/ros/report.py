@@ -2,7 +2,9 @@
 updates and input resets (`LoopReport`, a `timing.LoopEvents`; runs on the worker thread)."""
 from __future__ import annotations
 
+import re
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -11,6 +13,42 @@ from molmobot_policy.ros.diagnostics import diagnostic_name
 from molmobot_policy.timing import LoopEvents
 
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
+BACKOFF_AFTER_S = 30.0      # a warning unchanged (numbers aside) this long is logged ...
+REPEAT_S = 30.0             # ... every this many seconds, saying how long it has lasted
+_NUMBER = re.compile(r'\d+(?:\.\d+)?')
+
+
+class RepeatedLines:
+    """When a warning that repeats is due, per key (a topic, 'skip'): at most every
+    WARN_THROTTLE_S, and once the same text, its numbers aside, has come for BACKOFF_AFTER_S,
+    every REPEAT_S (a camera dead all day: ~40 lines an hour, not ~2000). Thread-safe.
+
+    Args:
+        clock: () -> s, monotonic.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock, self._lock = clock, threading.Lock()
+        self._state: dict[str, list] = {}      # key -> [shape, since, last logged, count]
+
+    def due(self, key: str, text: str) -> str | None:
+        """None when `text` is not to be logged now; else the suffix to log it with ('' or
+        ' (unchanged for N s, K times; logged every 30 s)')."""
+        now, shape = self._clock(), _NUMBER.sub('#', text)
+        with self._lock:
+            state = self._state.setdefault(key, [shape, now, None, 0])
+            if state[0] != shape:                       # a new text: from the start
+                state[:2], state[3] = [shape, now], 0
+            state[3] += 1
+            lasted = now - state[1]
+            interval = WARN_THROTTLE_S if lasted < BACKOFF_AFTER_S else REPEAT_S
+            if state[2] is not None and now - state[2] < interval:
+                return None
+            state[2] = now
+            if lasted < BACKOFF_AFTER_S:
+                return ''
+            return (f' (unchanged for {lasted:.0f} s, {state[3]} times; logged every '
+                    f'{REPEAT_S:.0f} s)')
 
 
 class LoopReport(LoopEvents):
@@ -28,6 +66,7 @@ class LoopReport(LoopEvents):
         self._sync, self._watchdog, self._now = sync, watchdog, now
         self._skipped = 0           # ticks skipped or failed since the last chunk (the log
         self._last_skip = ''        # throttles their lines: `published` says how many)
+        self._repeats = RepeatedLines()
 
     def _log(self):
         return self._node.get_logger()
@@ -45,16 +84,20 @@ class LoopReport(LoopEvents):
     def skipped(self, tick: int, reason: str) -> None:
         self._watchdog.skipped(reason)
         self._skipped, self._last_skip = self._skipped + 1, reason
-        message = f'skipping tick {tick}: {reason}'
+        suffix = self._repeats.due('skip', reason)
+        if suffix is None:
+            return
+        message = f'skipping tick {tick}: {reason}{suffix}'
         if not self._printed('WARN', message):
-            self._log().warning(message, throttle_duration_sec=WARN_THROTTLE_S)
+            self._log().warning(message)
 
     def failed(self, tick: int, error: Exception) -> None:
         message = f'tick {tick} failed: {error!r}'
         self._watchdog.skipped(message)
         self._skipped, self._last_skip = self._skipped + 1, message
-        if not self._printed('ERROR', message):
-            self._log().error(message, throttle_duration_sec=WARN_THROTTLE_S)
+        suffix = self._repeats.due('failed', repr(error))
+        if suffix is not None and not self._printed('ERROR', message + suffix):
+            self._log().error(message + suffix)
 
     def clock_jumped(self, seconds: float) -> None:
         # the stored inputs' stamps are in the old time base: each would be refused as in

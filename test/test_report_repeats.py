@@ -1,0 +1,67 @@
+"""A warning that repeats (a dead camera's skip line) is logged at most every WARN_THROTTLE_S,
+and after BACKOFF_AFTER_S of the same text every REPEAT_S, saying how long it has lasted
+(ros/report.py RepeatedLines; seventh fresh-user trial: ~30 000 lines a day)."""
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip('rclpy')
+from molmobot_policy.ros.report import (BACKOFF_AFTER_S, REPEAT_S,  # noqa: E402
+                                        WARN_THROTTLE_S, LoopReport, RepeatedLines)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _logged_times(lines: RepeatedLines, clock: _Clock, text, seconds: float, step=0.5):
+    """Offer `text(t)` every `step` s for `seconds`; the times (s from the start) it was due."""
+    start, due = clock.t, []
+    while clock.t - start < seconds:
+        if lines.due('skip', text(clock.t - start)) is not None:
+            due.append(clock.t - start)
+        clock.t += step
+    return due
+
+
+def test_a_repeating_text_backs_off_after_the_backoff_time():
+    clock = _Clock()
+    lines = RepeatedLines(clock)
+    due = _logged_times(lines, clock, lambda t: f'camera /cam2 is stale: age {t + 1:.3f} s',
+                        BACKOFF_AFTER_S + 3 * REPEAT_S)
+    early = [t for t in due if t < BACKOFF_AFTER_S]
+    late = [t for t in due if t >= BACKOFF_AFTER_S]
+    assert len(early) == pytest.approx(BACKOFF_AFTER_S / WARN_THROTTLE_S, abs=1)
+    assert len(late) == 3                    # every REPEAT_S, not every WARN_THROTTLE_S
+
+
+def test_the_backed_off_line_says_how_long_it_lasted_and_a_new_text_starts_over():
+    clock = _Clock()
+    lines = RepeatedLines(clock)
+    assert lines.due('skip', 'camera /cam2 has no image yet') == ''
+    clock.t += BACKOFF_AFTER_S + 1
+    suffix = lines.due('skip', 'camera /cam2 has no image yet')
+    assert suffix.startswith(f' (unchanged for {BACKOFF_AFTER_S + 1:.0f} s, 2 times')
+    clock.t += WARN_THROTTLE_S
+    assert lines.due('skip', 'joint state /joint_states has no message yet') == ''
+    assert lines.due('/cam1', 'newest frame refused') == ''          # another key: its own
+
+
+def test_the_node_skip_line_is_backed_off():
+    logged = []
+    node = SimpleNamespace(context=SimpleNamespace(ok=lambda: True), get_name=lambda: 'p',
+                           get_logger=lambda: SimpleNamespace(
+                               warning=lambda message, **kw: logged.append(message)))
+    report = LoopReport(node, chunk_info=None, sync=None,
+                        watchdog=SimpleNamespace(skipped=lambda reason: None), now=lambda: 0.0)
+    clock = _Clock()
+    report._repeats = RepeatedLines(clock)
+    for tick in range(200):                     # 200 s of one skip a second
+        report.skipped(tick, 'camera /cam2 has no image yet')
+        clock.t += 1.0
+    assert len(logged) < BACKOFF_AFTER_S / WARN_THROTTLE_S + 200 / REPEAT_S + 2
+    assert 'unchanged for' in logged[-1]
