@@ -634,22 +634,34 @@ def test_an_unknown_name_set_at_run_time_is_refused_and_logged_with_the_closest_
         node.destroy_node()
 
 
-def test_a_read_only_parameter_set_at_run_time_is_refused_and_logged(ros_context):
+def test_a_start_only_parameter_set_at_run_time_is_refused_and_logged(ros_context):
     """rclpy refuses it ("Trying to set a read-only parameter"), but left no trace in the
     node's log (second fresh-user trial); the log names it and how to change it."""
     node = _node(ros_context, [Parameter('autostart', value=False)], 'param_read_only_set')
     try:
         warnings = []
         node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
-        before = node.get_parameter('chunk_period').value
-        result = node.set_parameters([Parameter('chunk_period', value=before * 2)])[0]
+        result = node.set_parameters([Parameter('autostart', value=True)])[0]
         assert not result.successful
-        assert any("refused run-time set: 'chunk_period' is read-only (set it in the "
+        assert any("refused run-time set: 'autostart' is read-only (set it in the "
                    'parameter file' in w for w in warnings), warnings
-        assert node.get_parameter('chunk_period').value == before
-        warnings.clear()        # a dynamic one is not called read-only
+        assert node.get_parameter('autostart').value is False
+        warnings.clear()        # a run-time one is not called read-only
         assert node.set_parameters([Parameter('max_image_age', value=0.7)])[0].successful
         assert not any('read-only' in w for w in warnings), warnings
+    finally:
+        node.destroy_node()
+
+
+def test_a_configure_time_parameter_is_taken_while_the_node_is_unconfigured(ros_context):
+    """Eighth fresh-user trial: cleanup, set, configure could change nothing (every
+    configure-time parameter was read-only in every state)."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_unconfigured_set')
+    try:
+        before = node.get_parameter('chunk_period').value
+        result = node.set_parameters([Parameter('chunk_period', value=before * 2)])[0]
+        assert result.successful, result.reason
+        assert node.get_parameter('chunk_period').value == before * 2
     finally:
         node.destroy_node()
 

@@ -545,6 +545,65 @@ def test_a_camera_topic_carrying_another_message_type_is_named_in_the_skip(graph
         rclpy.try_shutdown(context=context)
 
 
+def test_a_configure_time_parameter_is_refused_while_configured_and_taken_after_cleanup(graph):
+    """Eighth fresh-user trial: deactivate, cleanup, set chunk_period, configure ran with the
+    old value (the parameter was read-only in every state)."""
+    g = graph('safety_reconfigure', allow_random_weights=True)
+    g.start()
+    result = g.policy.set_parameters([Parameter('chunk_period', value=0.4)])[0]
+    assert not result.successful
+    assert "'chunk_period' is read at configure: deactivate and clean up the node" in \
+        result.reason
+    assert "refused run-time set: 'chunk_period' is read at configure" in g.log.text('warning')
+    assert g.policy.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+    assert g.policy.set_parameters([Parameter('chunk_period', value=0.4)])[0].successful \
+        is False                                                  # inactive: still configured
+    assert g.policy.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+    assert g.policy.set_parameters([Parameter('chunk_period', value=0.4)])[0].successful
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert g.policy.trigger_activate() == TransitionCallbackReturn.SUCCESS
+    assert 'chunk every 0.4 s' in g.log.text('info').split('active:')[-1]
+
+
+def test_a_second_node_of_the_same_name_fails_configure(graph):
+    """Eighth fresh-user trial: two nodes named /molmobot_policy both commanded the arm, and
+    a deactivate reached only one of them."""
+    g = graph('safety_twin', allow_random_weights=True)
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        twin = rclpy.create_node('safety_twin', context=context)     # another process's
+        assert g.wait_for(lambda: sum(1 for n in g.policy.get_node_names_and_namespaces()
+                                      if n == ('safety_twin', '/')) == 2)
+        assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert 'another node named /safety_twin is running' in g.log.text('error')
+        twin.destroy_node()
+        assert g.wait_for(lambda: sum(1 for n in g.policy.get_node_names_and_namespaces()
+                                      if n == ('safety_twin', '/')) == 1)
+        assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+def test_another_publisher_on_the_output_topic_stops_the_chunks_until_it_leaves(graph):
+    """Two commanders on one controller topic alternate chunks, each limited against its
+    own last chunk: the arm jumped at 2-3.5 rad/s against a 1.5 rad/s limit (eighth trial)."""
+    g = graph('safety_commanders', allow_random_weights=True)
+    g.start()
+    assert g.wait_for(lambda: g.trajectories), g.log.text()
+    topic = g.policy._trajectory_pub.topic_name
+    intruder = g.peer.create_publisher(JointTrajectory, topic, 10)
+    assert g.wait_for(lambda: f'2 publishers on {topic}' in g.log.text('warning')), g.log.text()
+    assert 'nothing is sent until this node is the only one' in g.log.text('warning')
+    with g.lock:
+        count = len(g.trajectories)
+    assert g.wait_for(lambda: _level(g.status('output')) != DiagnosticStatus.OK)
+    with g.lock:
+        assert len(g.trajectories) <= count + 1        # at most the one already on its way
+    g.peer.destroy_publisher(intruder)
+    assert g.wait_for(lambda: len(g.trajectories) > count + 2), g.log.text()
+
+
 # ------------------------------------------------------------------ compressed cameras
 def test_compressed_cameras_are_decoded_and_a_corrupt_jpeg_is_refused_naming_the_topic(graph):
     """camera_transports: compressed -> the node subscribes <topic>/compressed

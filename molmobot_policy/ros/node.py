@@ -45,7 +45,8 @@ from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parame
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
-                                            chunk_stitcher, declare_parameters, motion_limiter,
+                                            PARAMETERS, chunk_stitcher, declare_parameters,
+                                            motion_limiter,
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
                                             widen_integers)
@@ -102,6 +103,8 @@ class PolicyNode(LifecycleNode):
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
+        self._configured = False        # configuring, inactive or active: configure-time
+                                        # parameters are refused (`_not_settable`)
         self._repeats = RepeatedLines()     # the input warnings that repeat, per topic
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
@@ -154,12 +157,26 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning(f'refused run-time set: {problem}')
         return parameters
 
+    def _not_settable(self, name: str) -> str:
+        """Why a set of the parameter `name` is refused in the node's state, or '': a
+        parameter read at configure / activate while the node is configured (it would be
+        taken at no point, or at the next activation only)."""
+        entry = PARAMETERS.get(name)
+        if entry is None or not entry[1].read_only or not self._configured:
+            return ''
+        return (f"'{name}' is read at configure: deactivate and clean up the node, set it, then "
+                'configure and activate again (or set it in the parameter file and restart)')
+
     def _validate_parameters(self, parameters) -> SetParametersResult:
         """rclpy's on-set callback, after it checked each value's type, range and read-only
         flag: refuses an instruction the engine cannot serve, else logs every change (old ->
         new) at INFO, so that a log shows what the node ran with when."""
         notes = {}
         for p in parameters:
+            reason = self._not_settable(p.name)
+            if reason:
+                self.get_logger().warning(f'refused run-time set: {reason}')
+                return SetParametersResult(successful=False, reason=reason)
             # the time base of every stamp held, the schedule and the camera receiver's choice
             # (refused under sim time) follow use_sim_time: only a start sets it
             if p.name == 'use_sim_time' and p.value != self._param('use_sim_time'):
@@ -191,6 +208,15 @@ class PolicyNode(LifecycleNode):
         return self.trigger_activate() == TransitionCallbackReturn.SUCCESS
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._configured = True     # from here on the configure-time parameters are taken
+        result = TransitionCallbackReturn.FAILURE
+        try:
+            result = self._configure_reporting()
+        finally:
+            self._configured = result == TransitionCallbackReturn.SUCCESS
+        return result
+
+    def _configure_reporting(self) -> TransitionCallbackReturn:
         # seconds to minutes in the executor thread: a heartbeat publishes the status
         with self._idle.configuring('checking the parameters'):
             try:
@@ -226,6 +252,7 @@ class PolicyNode(LifecycleNode):
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
+            self._check_unique_name()
             self._check_resolved_inputs()
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             limiter = motion_limiter(self._param)     # ... on bad motion limits
@@ -346,6 +373,34 @@ class PolicyNode(LifecycleNode):
             return ': its publishers are best effort and camera_qos is reliable (incompatible)'
         return ''
 
+    def _check_unique_name(self) -> None:
+        """ValueError when another node of this fully qualified name is in the ROS graph:
+        both would command the arm, answer the same lifecycle services (a deactivate would
+        stop one of them) and publish the same status names."""
+        me = (self.get_name(), self.get_namespace())
+        twins = sum(1 for name_ns in self.get_node_names_and_namespaces() if name_ns == me)
+        if twins > 1:
+            raise ValueError(f'another node named {self.get_fully_qualified_name()} is running '
+                             f'({twins} in the ROS graph): stop it, or start this one under '
+                             'another name or namespace (its lifecycle services, topics and '
+                             'status names would be shared)')
+
+    def _other_commanders(self) -> str:
+        """Why no chunk may be sent: another publisher on the output topic (a second policy
+        node, a teleop): the controller would switch between the two every chunk, each limited
+        against its own last chunk, not the other's (a jump); '' when this node is alone."""
+        topic = self._trajectory_pub.topic_name
+        try:
+            publishers = self.get_publishers_info_by_topic(topic)
+        except Exception:  # noqa: BLE001 - the graph is a check, not a reason to fail
+            return ''
+        if len(publishers) <= 1:
+            return ''
+        names = ', '.join(sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}"
+                                 for p in publishers))
+        return (f'{len(publishers)} publishers on {topic} ({names}): two commanders would '
+                'alternate chunks on the arm; nothing is sent until this node is the only one')
+
     def _check_resolved_inputs(self) -> None:
         """ValueError when two camera entries, or a camera and the joint state, resolve to one
         topic (a relative and an absolute name in the root namespace, a remap rule): the
@@ -375,6 +430,7 @@ class PolicyNode(LifecycleNode):
         return super().on_activate(state)
 
     def _activate(self) -> None:
+        self._check_unique_name()    # one started since configure
         self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         subscribed = camera_subscriptions(self._param)
@@ -482,6 +538,7 @@ class PolicyNode(LifecycleNode):
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._close_engine()
+        self._configured = False
         self._idle.set(WARN, 'unconfigured (cleaned up): no commands are sent')
         self.get_logger().info('cleaned up: engine released, unconfigured')
         return TransitionCallbackReturn.SUCCESS
@@ -620,6 +677,9 @@ class PolicyNode(LifecycleNode):
         problem = self._poll_receiver()
         if problem:
             return f'{problem}: no camera frames arrive'
+        problem = self._other_commanders()
+        if problem:
+            return problem
         return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
                                 instruction=instruction,
                                 max_image_spread=self._param('max_image_spread'))

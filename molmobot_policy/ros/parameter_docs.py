@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rcl_interfaces.msg import ParameterDescriptor, ParameterType
 
-from molmobot_policy.ros.parameters import PARAMETERS
+from molmobot_policy.ros.parameters import PARAMETERS, START_ONLY
 
 COMMAND = 'python -m molmobot_policy.ros.parameter_docs > docs/PARAMETERS.md'
 TYPE_NAMES = {ParameterType.PARAMETER_BOOL: 'bool', ParameterType.PARAMETER_INTEGER: 'integer',
@@ -30,9 +30,10 @@ HEADER = f"""# molmobot_policy node parameters
 
 Every parameter the node declares, in declaration order. Set them in a `--params-file`
 (`config/policy_droid.yaml` is a complete example) or with `-p name:=value`; an unknown name
-fails configure with a suggestion. *run time*: `ros2 param set` (with the PyPI wheels only, which
-have no `ros2 param`: the SetParameters call of docs/ROBOT.md) changes it while the node runs
-(the others are read at configure). Write doubles with a decimal point (`1.0`, not `1`) in
+fails configure with a suggestion. *run time*: `yes`: `ros2 param set` (with the PyPI wheels
+only, which have no `ros2 param`: the SetParameters call of docs/ROBOT.md) changes it while the
+node runs; `unconfigured`: read at configure / activate, so a set is taken only while the node
+is unconfigured (deactivate, cleanup, set, configure, activate); `no`: read at start only. Write doubles with a decimal point (`1.0`, not `1`) in
 parameter files (a file's `1` is refused with that hint); `ros2 param set` takes `1` for a
 double as `1.0`. *dynamic*: the node converts the value at configure, so a per-joint list
 also takes one number, and `fused_action_expert` also takes unquoted `on` / `off` (which
@@ -71,6 +72,11 @@ def _cell(text: str) -> str:
     return text.replace('|', '\\|').replace('\n', ' ')
 
 
+def _when(name: str, descriptor: ParameterDescriptor) -> str:
+    """The *run time* column: yes / unconfigured / no (`parameters.settable_when`)."""
+    return 'no' if name in START_ONLY else 'unconfigured' if descriptor.read_only else 'yes'
+
+
 def table_row(name: str, default, descriptor: ParameterDescriptor) -> str:
     """One markdown table row for the parameter `name`."""
     meaning = descriptor.description
@@ -80,7 +86,7 @@ def table_row(name: str, default, descriptor: ParameterDescriptor) -> str:
     if descriptor.dynamic_typing:
         type_name += ' (dynamic)'
     return (f'| `{name}` | {type_name} | `{_cell(_yaml_value(default))}` | '
-            f"{'no' if descriptor.read_only else 'yes'} | {_cell(meaning)} |")
+            f"{_when(name, descriptor)} | {_cell(meaning)} |")
 
 
 def render(parameters: dict = PARAMETERS) -> str:

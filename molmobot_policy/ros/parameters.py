@@ -60,7 +60,12 @@ _I, _IA = ParameterType.PARAMETER_INTEGER, ParameterType.PARAMETER_INTEGER_ARRAY
 _DA = ParameterType.PARAMETER_DOUBLE_ARRAY
 
 
-# name: (default, descriptor). read_only where a change after configure/activate is unsafe.
+# Parameters read once at start-up (ros.main, the node's constructor): never set at run time.
+START_ONLY = frozenset({'autostart', 'stop_with_parent', 'diagnostics_period'})
+
+
+# name: (default, descriptor). read_only: read at configure / activate (settable only while
+# unconfigured; START_ONLY: never) where a change while configured is unsafe or would be ignored.
 PARAMETERS = {
     'autostart': (True, descriptor('run configure + activate at start-up', _B)),
     'stop_with_parent': (True, descriptor(
@@ -270,8 +275,13 @@ def declare_parameters(node) -> None:
         ParameterError: a given value has the wrong type or is out of range.
     """
     for name, (default, descriptor) in PARAMETERS.items():
+        declared = copy.deepcopy(descriptor)
+        # rclpy's read_only refuses a set in every state; the node refuses the configure-time
+        # ones only while configured (PolicyNode._not_settable), so cleanup, set, configure
+        # takes the new value
+        declared.read_only = name in START_ONLY
         try:
-            node.declare_parameter(name, default, copy.deepcopy(descriptor))
+            node.declare_parameter(name, default, declared)
         except (InvalidParameterTypeException, InvalidParameterValueException) as error:
             given = given_parameters(node).get(name)
             value = given.value if given is not None else '?'
