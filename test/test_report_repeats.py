@@ -65,3 +65,27 @@ def test_the_node_skip_line_is_backed_off():
         clock.t += 1.0
     assert len(logged) < BACKOFF_AFTER_S / WARN_THROTTLE_S + 200 / REPEAT_S + 2
     assert 'unchanged for' in logged[-1]
+
+
+def test_skips_before_the_first_chunk_are_info_for_the_startup_grace(monkeypatch):
+    """Eighth fresh-user trial: every activation warned 'has no image yet' while its camera
+    receiver and DDS discovery started."""
+    import molmobot_policy.ros.report as report_module
+    infos, warnings = [], []
+    logger = SimpleNamespace(info=lambda m, **kw: infos.append(m),
+                             warning=lambda m, **kw: warnings.append(m))
+    node = SimpleNamespace(context=SimpleNamespace(ok=lambda: True), get_name=lambda: 'p',
+                           get_logger=lambda: logger)
+    report = LoopReport(node, chunk_info=None, sync=None,
+                        watchdog=SimpleNamespace(skipped=lambda reason: None,
+                                                 start=lambda now: None), now=lambda: 0.0)
+    clock = _Clock()
+    monkeypatch.setattr(report_module.time, 'monotonic', clock)
+    report._repeats = RepeatedLines(clock)
+    report.started(0.0)
+    report.skipped(0, 'camera /cam0 has no image yet')
+    assert infos == ['waiting for the first inputs (tick 0): camera /cam0 has no image yet']
+    assert warnings == []
+    clock.t += report_module.STARTUP_GRACE_S
+    report.skipped(1, 'camera /cam0 has no image yet')
+    assert warnings == ['skipping tick 1: camera /cam0 has no image yet']

@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from typing import NamedTuple
 
 from molmobot_policy.ros.frame_slots import DEFAULT_CAPACITY, FrameSlots, slot_bytes
@@ -111,7 +112,7 @@ class CameraReceiver:
         self._qos, self._capacity = camera_qos, capacity
         self._slots: FrameSlots | None = None
         self._process = None
-        self._stop = None
+        self._stop = self._ready = None
         self._seen = [0] * len(self._cameras)     # the last message count read per camera
         # poll, restart: worker and diagnostics threads (reentrant: restart calls stop)
         self._lock = threading.RLock()
@@ -132,16 +133,27 @@ class CameraReceiver:
         context = multiprocessing.get_context('spawn')
         self._slots = FrameSlots.create(len(self._cameras), self._capacity)
         try:
-            self._stop = context.Event()
+            self._stop, self._ready = context.Event(), context.Event()
             self._process = context.Process(
                 target=run_receiver, name=self.node_name, daemon=True,
                 args=(self.node_name, self._namespace, self._cameras, self._qos,
-                      self._slots.name, self._capacity, self._stop, os.getpid()))
+                      self._slots.name, self._capacity, self._stop, os.getpid(),
+                      self._ready))
             self._process.start()
         except BaseException:
             self._slots.unlink()
             self._slots = None
             raise
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until the child has subscribed every camera (its
+        interpreter, rclpy and the subscriptions take ~1 s, several on a busy machine); False
+        when it has not by then or has exited."""
+        deadline = time.monotonic() + timeout
+        while self._ready is not None and not self._ready.wait(0.05):
+            if self.problem() or time.monotonic() > deadline:
+                return False
+        return self._ready is not None
 
     def restart(self) -> None:
         """A new child and segment in place of an exited child (`stop`, then `start`);
@@ -211,10 +223,10 @@ def _name_process(name: bytes) -> None:
 
 
 def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segment: str,
-                 capacity: int, stop, parent_pid: int) -> None:
-    """The child's main: subscribe `cameras` and write each message into its slot of
-    `segment` until `stop` (a multiprocessing Event) is set or the parent `parent_pid` is
-    gone. SIGINT is ignored (a Ctrl-C reaches the whole process group; the parent stops the
+                 capacity: int, stop, parent_pid: int, ready=None) -> None:
+    """The child's main: subscribe `cameras` (then set `ready`, a multiprocessing Event)
+    and write each message into its slot of `segment` until `stop` (an Event) is set or the
+    parent `parent_pid` is gone. SIGINT is ignored (a Ctrl-C reaches the whole process group; the parent stops the
     child); SIGTERM ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_process(b'camera_receiver')
@@ -260,6 +272,8 @@ def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segme
                     on_image(k, topic, compressed, msg), qos)
         executor = SingleThreadedExecutor(context=context)
         executor.add_node(node)
+        if ready is not None:
+            ready.set()
         if not stop.is_set():   # a parent that stopped while this child started: say nothing
             node.get_logger().info(f'receiving {len(cameras)} cameras into shared memory '
                                    f'{segment}')

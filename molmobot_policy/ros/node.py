@@ -62,6 +62,7 @@ from molmobot_policy.timing.reports import STATS_WINDOW
 
 NODE_NAME = 'molmobot_policy'
 RECEIVER_RESTART_S = 2.0    # the shortest time between two restarts of the camera receiver
+RECEIVER_READY_S = 15.0     # activate waits this long for the receiver child to subscribe
 NO_POSITION_LIMITS = ('joint_position_min and joint_position_max are empty: no joint position '
                       'limit is applied to the published points (set them to the arm\'s limits, '
                       'one value per action joint: docs/ROBOT.md "Safety")')
@@ -499,9 +500,17 @@ class PolicyNode(LifecycleNode):
         if self._receiver is not None:
             self._receiver_failed = ''
             self._receiver.start()
-            self.get_logger().info(f'cameras received by process {self._receiver.pid} (node '
-                                   f'{self._receiver.node_name}, shared memory '
-                                   f'{self._receiver.segment})')
+            # the first ticks would otherwise find no frame ('has no image yet') while the
+            # child starts: seconds on a busy machine
+            if self._receiver.wait_ready(RECEIVER_READY_S):
+                self.get_logger().info(f'cameras received by process {self._receiver.pid} '
+                                       f'(node {self._receiver.node_name}, shared memory '
+                                       f'{self._receiver.segment})')
+            else:
+                self.get_logger().warning(
+                    f'camera receiver process {self._receiver.pid} has not subscribed the '
+                    f'cameras within {RECEIVER_READY_S:.0f} s '
+                    f'({self._receiver.problem() or "still starting"}): ticks skip until it has')
         self.loop.start()
         if self.stop_requested.is_set():    # requested while this loop was being built
             self.loop.request_stop()

@@ -15,6 +15,9 @@ from molmobot_policy.timing import LoopEvents
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
 BACKOFF_AFTER_S = 30.0      # a warning unchanged (numbers aside) this long is logged ...
 REPEAT_S = 30.0             # ... every this many seconds, saying how long it has lasted
+STARTUP_GRACE_S = 2.0       # an activation's skips before its first chunk, this long from its
+                            # start, are INFO 'waiting for the first inputs' (DDS discovery,
+                            # drivers starting), not warnings
 _NUMBER = re.compile(r'\d+(?:\.\d+)?')
 
 
@@ -67,6 +70,8 @@ class LoopReport(LoopEvents):
         self._skipped = 0           # ticks skipped or failed since the last chunk (the log
         self._last_skip = ''        # throttles their lines: `published` says how many)
         self._repeats = RepeatedLines()
+        self._started_at: float | None = None       # time.monotonic() of the loop's start,
+                                                    # until its first chunk
 
     def _log(self):
         return self._node.get_logger()
@@ -84,6 +89,13 @@ class LoopReport(LoopEvents):
     def skipped(self, tick: int, reason: str) -> None:
         self._watchdog.skipped(reason)
         self._skipped, self._last_skip = self._skipped + 1, reason
+        if self._started_at is not None and \
+                time.monotonic() - self._started_at < STARTUP_GRACE_S:
+            if self._repeats.due('startup', reason) is not None:
+                message = f'waiting for the first inputs (tick {tick}): {reason}'
+                if not self._printed('INFO', message):
+                    self._log().info(message)
+            return
         suffix = self._repeats.due('skip', reason)
         if suffix is None:
             return
@@ -108,6 +120,7 @@ class LoopReport(LoopEvents):
 
     def started(self, now: float) -> None:
         self._watchdog.start(now)
+        self._started_at = time.monotonic()
 
     def waiting_for_clock(self, seconds: float) -> None:
         self._log().warning(f'waiting for /clock for {seconds:.0f} s: use_sim_time is true and '
@@ -125,6 +138,7 @@ class LoopReport(LoopEvents):
     def published(self, report) -> None:
         node = self._node
         node.chunks_published_total += 1
+        self._started_at = None
         self._watchdog.published(self._now())
         self._publisher.publish(messages.chunk_info(report, diagnostic_name(node),
                                                     self._sync.last_build_decoded,
