@@ -59,8 +59,10 @@ def test_the_reference_has_one_row_per_parameter_with_default_and_range():
     rows = [line for line in parameter_docs.render().splitlines() if line.startswith('| `')]
     assert [re.match(r'\| `([^`]+)`', row).group(1) for row in rows] == list(PARAMETERS)
     control_period = next(row for row in rows if row.startswith('| `control_period`'))
-    assert control_period == ('| `control_period` | double | `0.1` | no | seconds between '
-                              'consecutive actions of a chunk; range 0.001 to 10 |')
+    assert control_period == ('| `control_period` | double | `0.1` | unconfigured | seconds '
+                              'between consecutive actions of a chunk; range 0.001 to 10 |')
+    autostart = next(row for row in rows if row.startswith('| `autostart`'))
+    assert '| bool | `true` | no |' in autostart        # read at start only
     instruction = next(row for row in rows if row.startswith('| `instruction`'))
     assert "| string | `''` | yes |" in instruction        # may change at run time
 

@@ -51,6 +51,19 @@ def test_chunk_info_reports_the_frames_decoded_and_their_decode_time(graph):
     assert all(float(info[ChunkInfo.DECODE_MS]) > 0.0 for info in g.infos)
 
 
+def test_chunk_info_names_the_instruction_each_chunk_was_computed_for(graph):
+    """Eighth fresh-user trial: after a run-time change of 'instruction' nothing said which
+    chunk first used it."""
+    from rclpy.parameter import Parameter
+    g = graph('chunk_info_instruction')
+    assert g.wait_for(lambda: len(g.infos) >= 1)
+    first = g.infos[0][ChunkInfo.INSTRUCTION]
+    assert first == g.policy.get_parameter('instruction').value
+    assert g.policy.set_parameters([Parameter('instruction', value='open the drawer')])[0] \
+        .successful
+    assert g.wait_for(lambda: g.infos[-1][ChunkInfo.INSTRUCTION] == 'open the drawer')
+
+
 def test_chunk_info_with_debug_timing_has_the_delay_clues(graph):
     g = graph('chunk_info_debug', debug_timing=True)
     assert g.wait_for(lambda: len(g.infos) >= 2)

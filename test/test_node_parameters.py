@@ -280,6 +280,26 @@ def test_camera_topics_that_resolve_to_one_topic_fail_configure_naming_them(ros_
                for e in errors), errors
 
 
+def test_a_warn_threshold_above_its_error_threshold_is_refused(ros_context):
+    """Eighth fresh-user trial: diag_inference_warn_ms 500 with diag_inference_error_ms 100
+    was accepted silently, at configure and at run time."""
+    from molmobot_policy.ros.parameters import check_parameter_values
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    with pytest.raises(ParameterError, match=r"'diag_jitter_warn_ms': 100.0 is above "
+                                             r'diag_jitter_error_ms = 10.0; expected WARN'):
+        check_parameter_values({**values, 'diag_jitter_warn_ms': 100.0,
+                                'diag_jitter_error_ms': 10.0}.get)
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_thresholds')
+    try:
+        result = node.set_parameters([Parameter('diag_inference_error_ms', value=100.0)])[0]
+        assert not result.successful and 'diag_inference_warn_ms' in result.reason
+        both = node.set_parameters_atomically([Parameter('diag_inference_warn_ms', value=50.0),
+                                               Parameter('diag_inference_error_ms', value=100.0)])
+        assert both.successful, both.reason
+    finally:
+        node.destroy_node()
+
+
 def test_an_empty_topic_or_joint_list_is_refused():
     """(rclpy cannot type an empty list parameter; a list that ends up empty is refused.)"""
     from molmobot_policy.ros.parameters import check_parameter_values

@@ -417,7 +417,7 @@ def _serve(node: PolicyNode, stop: StopSignals) -> int:
             node.get_logger().info(
                 f'autostart is off: waiting unconfigured for lifecycle transitions on '
                 f'{name}/change_state (e.g. `ros2 lifecycle set {name} configure`, then '
-                'activate)')
+                'activate; without the ros2 CLI: docs/ROBOT.md "Lifecycle")')
         while node.context.ok() and not stop.requested.is_set():
             executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
     except (KeyboardInterrupt, ExternalShutdownException) as interrupt:

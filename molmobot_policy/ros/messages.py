@@ -37,6 +37,7 @@ class ChunkInfo:
     START_OFFSET = 'start_offset'           # max |model's first point - arm|, robot
                                             # units, before the motion limits ('nan': no
                                             # joint anchored): asked for, not sent
+    INSTRUCTION = 'instruction'             # the task text the chunk was computed for
     # with debug_timing only ('' where not measured): where a late publish's time went
     WAKE_LATE_MS = 'wake_late_ms'           # the last timed wait before the deadline, late by
     RUNQUEUE_WAIT_MS = 'runqueue_wait_ms'   # runnable without a CPU (Linux schedstat)
@@ -126,7 +127,8 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
         ChunkInfo.FIRST_ACTION: format_action(report.positions[0]),
         ChunkInfo.VELOCITY_LIMITED: report.velocity_limited,
         ChunkInfo.POSITION_CLIPPED: report.position_clipped,
-        ChunkInfo.START_OFFSET: f'{report.start_offset:.4f}'}
+        ChunkInfo.START_OFFSET: f'{report.start_offset:.4f}',
+        ChunkInfo.INSTRUCTION: report.instruction}
     if report.delay is not None:
         values.update({ChunkInfo.WAKE_LATE_MS: _ms(report.delay.wake_late),
                        ChunkInfo.RUNQUEUE_WAIT_MS: _ms(report.delay.runqueue_wait),

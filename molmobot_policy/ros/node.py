@@ -46,7 +46,7 @@ from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETE
                                             bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             PARAMETERS, chunk_stitcher, declare_parameters,
-                                            motion_limiter,
+                                            motion_limiter, threshold_problem,
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
                                             widen_integers)
@@ -173,6 +173,11 @@ class PolicyNode(LifecycleNode):
         flag: refuses an instruction the engine cannot serve, else logs every change (old ->
         new) at INFO, so that a log shows what the node ran with when."""
         notes = {}
+        new = {p.name: p.value for p in parameters}
+        contradiction = threshold_problem(lambda name: new.get(name, self._param(name)))
+        if contradiction is not None:
+            self.get_logger().warning(f'refused run-time set: {contradiction}')
+            return SetParametersResult(successful=False, reason=str(contradiction))
         for p in parameters:
             reason = self._not_settable(p.name)
             if reason:

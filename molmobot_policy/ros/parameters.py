@@ -394,6 +394,21 @@ def bucket_lengths(value) -> tuple[int, ...]:
                          "nor [] or 'none' (no padding)")
 
 
+THRESHOLD_PAIRS = (('diag_inference_warn_ms', 'diag_inference_error_ms'),
+                   ('diag_jitter_warn_ms', 'diag_jitter_error_ms'))
+
+
+def threshold_problem(parameter) -> ParameterError | None:
+    """None, or the error of a WARN threshold above its ERROR one (the status would skip
+    WARN on its way to ERROR); `parameter(name)` -> its value."""
+    for warn, error in THRESHOLD_PAIRS:
+        if parameter(warn) > parameter(error):
+            return ParameterError(warn, parameter(warn), f'is above {error} = '
+                                                         f'{parameter(error)!r}; expected WARN '
+                                                         '<= ERROR')
+    return None
+
+
 def check_parameter_values(parameter) -> None:
     """The checks a descriptor cannot express; `parameter(name)` -> its value.
 
@@ -403,8 +418,12 @@ def check_parameter_values(parameter) -> None:
             camera of CAMERA_TRANSPORTS; max_step, max_joint_velocity, joint_position_min /
             _max not numbers, or with other than 0 (max_joint_velocity: 1), 1 or one value per
             action joint; action_joint_names not in joint_names (`unanchored_action_joints`);
-            min_image_size not two pixel counts >= 0.
+            min_image_size not two pixel counts >= 0; a WARN threshold above its ERROR one
+            (`threshold_problem`).
     """
+    contradiction = threshold_problem(parameter)
+    if contradiction is not None:
+        raise contradiction
     for name in ('camera_topics', 'joint_names', 'action_joint_names'):
         values = list(parameter(name))
         if not values:

@@ -648,4 +648,5 @@ class PolicyLoop:
             inference_ms=chunk.inference_ms, publish_jitter_ms=jitter_ms,
             positions=stitched.positions, dropped=stitched.dropped,
             count=stats.chunks_published, delay=delay, velocity_limited=limited,
-            position_clipped=clipped, start_offset=offset, outside_limits=outside))
+            position_clipped=clipped, start_offset=offset, outside_limits=outside,
+            instruction=observation.instruction))

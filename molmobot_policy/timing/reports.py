@@ -77,6 +77,7 @@ class ChunkReport:
             anchored joints, robot units (nan: none anchored, or no limiter).
         outside_limits: indices of the action joints measured outside their position limits
             (`timing.motion.LimitedPoints`).
+        instruction: the task text of its observation.
     """
 
     tick: int
@@ -93,6 +94,7 @@ class ChunkReport:
     position_clipped: int = 0
     start_offset: float = float('nan')
     outside_limits: tuple[int, ...] = ()
+    instruction: str = ''
 
 
 class LoopEvents:

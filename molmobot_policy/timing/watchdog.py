@@ -104,7 +104,8 @@ class OutputWatchdog:
                                      f'{self.period:.3f} s: a tick missed){why}', gap)
         if published == 0:      # no chunk yet: "on schedule" would claim chunks that never came
             return OutputState(OK, f'active, no chunk yet (activated {gap:.1f} s ago)', gap)
-        return OutputState(OK, 'chunks published on schedule', gap)
+        # on time or not is the 'schedule' status's: this one says the robot gets commands
+        return OutputState(OK, f'chunks published, the last {gap:.2f} s ago', gap)
 
     def check_clock(self, now: float, wall: float) -> OutputState | None:
         """The output's state while the ROS clock stands still (sim time), else None.
