@@ -12,7 +12,7 @@
 //     nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/probe benchmarks/probe_one_cluster.cu
 //     /tmp/probe                                                   (H200: seconds)
 //
-// Compile-checked for sm_90a on 2026-12-06; not yet run (no device time was left).
+// Results (H100, 2026-12-07) and what they decide: docs/decisions/cluster-dit-kernel.md.
 #include <cstdio>
 #include <cstdint>
 #include <vector>
@@ -192,17 +192,19 @@ int main() {
     CK(cudaMemset(buf, 1, total));
     unsigned long long *sink;
     CK(cudaMalloc(&sink, 4096 * 8));
-    CK(cudaFuncSetAttribute(ingress, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(ingress, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024));
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
     printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
     printf("%-6s %-4s %-8s %-6s %10s %12s\n", "source", "N", "slot KB", "ring", "total GB/s", "per SM GB/s");
     const int Ns[] = {1, 8, 16, 32, 64, 132};
-    const int slots[] = {12288, 32768};
+    // (slot bytes, copies in flight): 144-208 KB in flight per SM; the flow loop's ring is
+    // 11 x 12 KB
+    const int configs[][2] = {{12288, 12}, {16384, 13}, {32768, 5}, {53248, 4}, {69632, 3}};
     for (int src = 0; src < 2; ++src) {             // 0: HBM, 1: L2 (a 256 KB window per CTA)
-        for (int slot : slots) {
-            const int ring = std::min(160 * 1024 / slot, 12);
+        for (const auto &config : configs) {
+            const int slot = config[0], ring = config[1];
             for (int N : Ns) {
                 if (N > sms) continue;
                 const size_t per = src == 0 ? std::min(total / N, (size_t)256 << 20) / slot * slot
