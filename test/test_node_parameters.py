@@ -300,6 +300,21 @@ def test_a_warn_threshold_above_its_error_threshold_is_refused(ros_context):
         node.destroy_node()
 
 
+def test_list_values_set_at_run_time_arrive_as_arrays_and_are_taken():
+    """rclpy hands a DOUBLE_ARRAY / INTEGER_ARRAY set through the SetParameters service over
+    as array.array: configure refused max_joint_velocity [0.3] set that way as 'not a number
+    or a list of numbers' (ninth fresh-user trial)."""
+    import array
+    from molmobot_policy.ros.parameters import bucket_lengths, check_parameter_values, per_joint
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    values.update(max_joint_velocity=array.array('d', [0.3]),
+                  max_step=array.array('d', [0.2] * 7),
+                  joint_position_min=array.array('d', [-1.0]))
+    check_parameter_values(values.get)
+    assert per_joint(values.get, 'max_joint_velocity') == [0.3] * 7
+    assert bucket_lengths(array.array('q', [1664])) == (1664,)
+
+
 def test_an_empty_topic_or_joint_list_is_refused():
     """(rclpy cannot type an empty list parameter; a list that ends up empty is refused.)"""
     from molmobot_policy.ros.parameters import check_parameter_values

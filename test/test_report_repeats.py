@@ -89,3 +89,7 @@ def test_skips_before_the_first_chunk_are_info_for_the_startup_grace(monkeypatch
     clock.t += report_module.STARTUP_GRACE_S
     report.skipped(1, 'camera /cam0 has no image yet')
     assert warnings == ['skipping tick 1: camera /cam0 has no image yet']
+    clock.t += report_module.WARN_THROTTLE_S
+    report.started(0.0)                  # a problem that is no waiting: warned at once
+    report.skipped(2, "parameter 'instruction' is empty: set it to the task text")
+    assert warnings[-1] == "skipping tick 2: parameter 'instruction' is empty: set it to the task text"

@@ -14,7 +14,7 @@ JOINTS = ('joint_a', 'joint_b', 'finger')
 
 
 def _image(value, encoding='rgb8', height=2, width=3):
-    channels = {'rgb8': 3, 'mono8': 1}[encoding]
+    channels = {'rgb8': 3, 'bgr8': 3, 'mono8': 1}[encoding]
     return SimpleNamespace(height=height, width=width, encoding=encoding,
                            step=width * channels, data=bytes([value]) * (height * width * channels))
 
@@ -466,12 +466,33 @@ def test_a_camera_changing_its_layout_is_logged_once_per_interval(caplog):
         sync.add_image(CAMERAS[0], _image(1), 10.1, 10.1)
         assert caplog.records == []                          # the same layout: nothing
         sync.add_image(CAMERAS[0], _image(1, 'mono8'), 10.2, 10.2)
-        sync.add_image(CAMERAS[0], _image(1), 10.3, 10.3)    # within LAYOUT_LOG_S: counted
-        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 25.0, 25.0)
+        sync.add_image(CAMERAS[0], _image(1), 10.3, 10.3)    # within LAYOUT_LOG_S: held
+        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 10.4, 10.4)
+        assert len(caplog.records) == 1
+        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 25.0, 25.0)   # told, though unchanged
+        sync.add_image(CAMERAS[0], _image(1), 26.0, 26.0)
+        sync.add_image(CAMERAS[0], _image(1), 40.0, 40.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to mono8 2x3')
+    assert lines[1] == (f'camera {CAMERAS[0]}: frames changed layout 2 times since the last '
+                        'such line and are mono8 2x3 again')
+    assert 'from mono8 2x3 to rgb8 2x3' in lines[2]       # held back, told at the next frame
+
+
+def test_a_second_layout_change_within_the_interval_is_told_when_it_ends(caplog):
+    """Ninth fresh-user trial: rgb8 -> bgr8 -> mono8 within 10 s logged only the first change;
+    the log said bgr8 while the camera sent mono8."""
+    sync = _sync()
+    with caplog.at_level('WARNING', logger='molmobot_policy.inputs'):
+        sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+        sync.add_image(CAMERAS[0], _image(1, 'bgr8'), 11.0, 11.0)
+        sync.add_image(CAMERAS[0], _image(1, 'mono8'), 12.0, 12.0)
+        for t in range(13, 30):
+            sync.add_image(CAMERAS[0], _image(1, 'mono8'), float(t), float(t))
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
-    assert lines[0].startswith(f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to mono8 2x3')
-    assert 'from rgb8 2x3 to mono8 2x3 (2 changes since the last such line)' in lines[1]
+    assert 'from rgb8 2x3 to bgr8 2x3' in lines[0] and 'from bgr8 2x3 to mono8 2x3' in lines[1]
 
 
 def test_a_stale_action_joint_names_the_refused_message():

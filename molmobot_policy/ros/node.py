@@ -23,6 +23,7 @@ molmobot_policy.ros.node` runs).
 """
 from __future__ import annotations
 
+import array
 import functools
 import math
 import threading
@@ -36,16 +37,15 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float32MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
-from molmobot_policy.preprocess.transforms import repeated
-from molmobot_policy.ros import messages
+from molmobot_policy.ros import graph, messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver, shm_free
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
 from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
-                                            bucket_lengths, camera_subscriptions,
+                                            PARAMETERS, bucket_lengths, camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
-                                            PARAMETERS, chunk_stitcher, declare_parameters,
+                                            chunk_stitcher, declare_parameters,
                                             motion_limiter, threshold_problem,
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
@@ -104,6 +104,7 @@ class PolicyNode(LifecycleNode):
         self.chunks_published_total = 0    # over every activation (loop.stats: this one)
         self._froze_heap = False        # gc.freeze() done by this node, undone at cleanup
         self._sync: ObservationSynchronizer | None = None
+        self._compressed_cameras: set[str] = set()      # resolved names, set at activate
         self._configured = False        # configuring, inactive or active: configure-time
                                         # parameters are refused (`_not_settable`)
         self._repeats = RepeatedLines()     # the input warnings that repeat, per topic
@@ -176,8 +177,10 @@ class PolicyNode(LifecycleNode):
         new = {p.name: p.value for p in parameters}
         contradiction = threshold_problem(lambda name: new.get(name, self._param(name)))
         if contradiction is not None:
-            self.get_logger().warning(f'refused run-time set: {contradiction}')
-            return SetParametersResult(successful=False, reason=str(contradiction))
+            reason = (f'{contradiction} (set both in one atomic call, or, raising them, the '
+                      'ERROR threshold first)')
+            self.get_logger().warning(f'refused run-time set: {reason}')
+            return SetParametersResult(successful=False, reason=reason)
         for p in parameters:
             reason = self._not_settable(p.name)
             if reason:
@@ -202,8 +205,12 @@ class PolicyNode(LifecycleNode):
                     return SetParametersResult(successful=False, reason=f'instruction: {error}')
                 notes[p.name] = f' ({tokens} prompt tokens)'
         for p in parameters:    # accepted (the set is atomic: all of them or none)
-            self.get_logger().info(f"parameter '{p.name}' set: {self._param(p.name)!r} -> "
-                                   f"{p.value!r}{notes.get(p.name, '')}")
+            if p.value == self._param(p.name):
+                continue        # nothing changes: nothing to log
+            old, new_value = (list(v) if isinstance(v, array.array) else v
+                              for v in (self._param(p.name), p.value))
+            self.get_logger().info(f"parameter '{p.name}' set: {old!r} -> "
+                                   f"{new_value!r}{notes.get(p.name, '')}")
         return SetParametersResult(successful=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -258,8 +265,7 @@ class PolicyNode(LifecycleNode):
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
-            self._check_unique_name()
-            self._check_resolved_inputs()
+            self._check_graph()
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             limiter = motion_limiter(self._param)     # ... on bad motion limits
             if limiter.position_min is None and limiter.position_max is None:
@@ -357,70 +363,23 @@ class PolicyNode(LifecycleNode):
         self._idle.step(message)
         self.get_logger().info(message)
 
-    def _input_hint(self, expected: dict, topic: str) -> str:
-        """Why nothing may arrive on `topic` (resolved), from the ROS graph: ': nothing
-        publishes it', its publishers' message type when not `expected[topic]`, or best
-        effort publishers for a reliable camera_qos; '' when none of these."""
-        try:
-            publishers = self.get_publishers_info_by_topic(topic)
-        except Exception:  # noqa: BLE001 - a hint only, never a reason to fail the tick
-            return ''
-        wanted = expected.get(topic, '')
-        if not publishers:
-            return ': nothing publishes it (ROS graph)'
-        types = sorted({p.topic_type for p in publishers})
-        if wanted and wanted not in types:
-            return (f": its publishers send {', '.join(types)}, this node expects {wanted}"
-                    + (' (camera_transports?)' if 'Image' in wanted else ''))
-        if topic != self._sync.joint_state_topic and \
-                self._param('camera_qos') == 'reliable' and \
-                all(p.qos_profile.reliability == ReliabilityPolicy.BEST_EFFORT
-                    for p in publishers):
-            return ': its publishers are best effort and camera_qos is reliable (incompatible)'
-        return ''
+    def _input_hint(self, topic: str) -> str:
+        """`graph.silence_hint` for a subscribed input (resolved name)."""
+        if topic == self._sync.joint_state_topic:
+            return graph.silence_hint(self, graph.JOINT_STATE_TYPE, False, topic)
+        compressed = topic in self._compressed_cameras
+        return graph.silence_hint(self, graph.COMPRESSED_TYPE if compressed
+                                  else graph.IMAGE_TYPE,
+                                  self._param('camera_qos') == 'reliable', topic)
 
-    def _check_unique_name(self) -> None:
-        """ValueError when another node of this fully qualified name is in the ROS graph:
-        both would command the arm, answer the same lifecycle services (a deactivate would
-        stop one of them) and publish the same status names."""
-        me = (self.get_name(), self.get_namespace())
-        twins = sum(1 for name_ns in self.get_node_names_and_namespaces() if name_ns == me)
-        if twins > 1:
-            raise ValueError(f'another node named {self.get_fully_qualified_name()} is running '
-                             f'({twins} in the ROS graph): stop it, or start this one under '
-                             'another name or namespace (its lifecycle services, topics and '
-                             'status names would be shared)')
-
-    def _other_commanders(self) -> str:
-        """Why no chunk may be sent: another publisher on the output topic (a second policy
-        node, a teleop): the controller would switch between the two every chunk, each limited
-        against its own last chunk, not the other's (a jump); '' when this node is alone."""
-        topic = self._trajectory_pub.topic_name
-        try:
-            publishers = self.get_publishers_info_by_topic(topic)
-        except Exception:  # noqa: BLE001 - the graph is a check, not a reason to fail
-            return ''
-        if len(publishers) <= 1:
-            return ''
-        names = ', '.join(sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}"
-                                 for p in publishers))
-        return (f'{len(publishers)} publishers on {topic} ({names}): two commanders would '
-                'alternate chunks on the arm; nothing is sent until this node is the only one')
-
-    def _check_resolved_inputs(self) -> None:
-        """ValueError when two camera entries, or a camera and the joint state, resolve to one
-        topic (a relative and an absolute name in the root namespace, a remap rule): the
-        parameter check sees only the names as written."""
-        written = [t for t, _ in camera_subscriptions(self._param)]
-        joint_state_topic = self._param('joint_state_topic')
-        resolved = [self.resolve_topic_name(t) for t in [*written, joint_state_topic]]
-        twice = repeated(resolved)
-        if twice:
-            names = {topic: [w for w, r in zip([*written, joint_state_topic], resolved)
-                             if r == topic] for topic in twice}
-            raise ValueError('camera_topics / joint_state_topic: ' + '; '.join(
-                f'{ws} all resolve to {topic}' for topic, ws in names.items())
-                + ' (namespace, relative names, remap rules); each input needs its own topic')
+    def _check_graph(self) -> None:
+        """ValueError when another node has this node's name, or two inputs resolve to one
+        topic (`ros.graph`)."""
+        problem = graph.same_name_problem(self) or graph.shared_topics_problem(
+            self, [t for t, _ in camera_subscriptions(self._param)],
+            self._param('joint_state_topic'))
+        if problem:
+            raise ValueError(problem)
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._check_not_shut_down()     # a stop requested after configure: no worker
@@ -436,7 +395,9 @@ class PolicyNode(LifecycleNode):
         return super().on_activate(state)
 
     def _activate(self) -> None:
-        self._check_unique_name()    # one started since configure
+        problem = graph.same_name_problem(self)     # one started since configure
+        if problem:
+            raise ValueError(problem)
         self._idle.stop()            # the full diagnostics take over
         joint_state_topic = self._param('joint_state_topic')
         subscribed = camera_subscriptions(self._param)
@@ -449,11 +410,8 @@ class PolicyNode(LifecycleNode):
             max_future=self._param('max_future_stamp'),
             action_joint_names=self._param('action_joint_names'),
             min_image_size=self._param('min_image_size'),
-            input_hint=functools.partial(
-                self._input_hint, {**{topic: 'sensor_msgs/msg/CompressedImage' if compressed
-                                      else 'sensor_msgs/msg/Image' for topic, compressed in cameras},
-                                   self.resolve_topic_name(joint_state_topic):
-                                   'sensor_msgs/msg/JointState'}))
+            input_hint=self._input_hint)
+        self._compressed_cameras = {topic for topic, compressed in cameras if compressed}
         if self._param('camera_qos') == 'sensor_data':
             camera_qos = qos_profile_sensor_data
         else:
@@ -691,7 +649,7 @@ class PolicyNode(LifecycleNode):
         problem = self._poll_receiver()
         if problem:
             return f'{problem}: no camera frames arrive'
-        problem = self._other_commanders()
+        problem = graph.other_commanders(self, self._trajectory_pub.topic_name)
         if problem:
             return problem
         return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),

@@ -10,6 +10,7 @@ defaults (a parameter file without a section for the node: `ros.param_files`).
 """
 from __future__ import annotations
 
+import array
 import copy
 import difflib
 import re
@@ -29,6 +30,9 @@ DEFAULT_JOINTS = [f'jaco_joint_{k}' for k in range(1, 7)] + ['jaco_finger_1']
 CAMERA_QOS = ('sensor_data', 'reliable')
 CAMERA_TRANSPORTS = ('raw', 'compressed')
 CAMERA_RECEIVERS = ('auto', 'in_process', 'subprocess')
+# a list parameter's value: a list from a parameter file, an array.array ('d', 'q') from a
+# run-time set (rclpy's conversion of a DOUBLE_ARRAY / INTEGER_ARRAY message)
+ARRAYS = (list, tuple, array.array)
 DEFAULT_MAX_JOINT_VELOCITY = 1.5    # rad/s: below common arm limits (Franka 2.2-2.6, UR
                                     # 3.1 rad/s); above what the demo's Jaco moves (its
                                     # actuators: 0.6-0.8 rad/s)
@@ -386,10 +390,10 @@ def bucket_lengths(value) -> tuple[int, ...]:
     ValueError) naming the parameter and the value given otherwise."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ('', 'none')):
         return ()
-    if isinstance(value, (list, tuple)) and all(
+    if isinstance(value, ARRAYS) and all(
             isinstance(b, int) and not isinstance(b, bool) for b in value):
         return tuple(value)
-    raise ParameterError('buckets', list(value) if isinstance(value, tuple) else value,
+    raise ParameterError('buckets', list(value) if isinstance(value, ARRAYS) else value,
                          'is not a list of prompt lengths in tokens (e.g. [1664, 1856]), '
                          "nor [] or 'none' (no padding)")
 
@@ -498,8 +502,8 @@ def per_joint(parameter, name: str) -> list[float] | None:
     None when empty (an empty YAML list reaches rclpy as no value: None); `parameter(name)`
     -> its value. Raises ParameterError otherwise."""
     value, joints = parameter(name), len(parameter('action_joint_names'))
-    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) \
-        else [value]
+    values = [] if value is None else list(value) if isinstance(value, ARRAYS) else [value]
+    value = list(value) if isinstance(value, array.array) else value      # as written
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ParameterError(name, value, f'is not a number or a list of numbers (one value, '
                                           f'or one per action joint: {joints})')

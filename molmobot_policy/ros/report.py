@@ -10,14 +10,15 @@ from typing import Callable
 
 from molmobot_policy.ros import messages
 from molmobot_policy.ros.diagnostics import diagnostic_name
+from molmobot_policy.ros.synchronizer import NOT_YET
 from molmobot_policy.timing import LoopEvents
 
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
 BACKOFF_AFTER_S = 30.0      # a warning unchanged (numbers aside) this long is logged ...
 REPEAT_S = 30.0             # ... every this many seconds, saying how long it has lasted
-STARTUP_GRACE_S = 2.0       # an activation's skips before its first chunk, this long from its
-                            # start, are INFO 'waiting for the first inputs' (DDS discovery,
-                            # drivers starting), not warnings
+STARTUP_GRACE_S = 2.0       # an activation's skips for inputs not yet received, before its
+                            # first chunk and this long from its start, are INFO 'waiting for
+                            # the first inputs' (DDS discovery, drivers starting), not warnings
 _NUMBER = re.compile(r'\d+(?:\.\d+)?')
 
 
@@ -90,7 +91,8 @@ class LoopReport(LoopEvents):
         self._watchdog.skipped(reason)
         self._skipped, self._last_skip = self._skipped + 1, reason
         if self._started_at is not None and \
-                time.monotonic() - self._started_at < STARTUP_GRACE_S:
+                time.monotonic() - self._started_at < STARTUP_GRACE_S and \
+                all(any(p in part for p in NOT_YET) for part in reason.split('; ')):
             if self._repeats.due('startup', reason) is not None:
                 message = f'waiting for the first inputs (tick {tick}): {reason}'
                 if not self._printed('INFO', message):

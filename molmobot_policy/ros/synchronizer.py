@@ -37,6 +37,7 @@ LAYOUT_LOG_S = 10.0    # a camera's frame layout changing mid-run is logged at m
 RATE_RESTART_S = 1.0   # a receive time this far before the last one is ROS time gone back (sim
                        # time restarted): the rate window starts over. Smaller steps back are
                        # callbacks on two threads stamping out of order, not a new time base
+NOT_YET = ('has no image yet', 'has no message yet')    # an input that never arrived
 DECODE_THREADS = 8     # the decode pool: one thread per camera of the 8-camera contract
 _decode_pool: ThreadPoolExecutor | None = None
 log = logging.getLogger('molmobot_policy.inputs')
@@ -201,6 +202,7 @@ class ObservationSynchronizer:
         self._layouts: dict[str, str] = {}          # per camera, `_layout_text` of its newest frame
         self._layout_logged: dict[str, float] = {}  # ... when a change of it was last logged
         self._layout_changes: dict[str, int] = {}   # ... changes since, not logged
+        self._layout_told: dict[str, str] = {}      # ... the layout the last line left it in
         self._seq = 0
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
 
@@ -245,22 +247,28 @@ class ObservationSynchronizer:
         return True
 
     def _layout_change(self, topic: str, msg, received: float) -> str:
-        """The line to log when `msg`'s layout (encoding, size) differs from the topic's last
-        frame's (a camera reconfigured mid-run: a colour camera sending mono8 is replicated
-        to grey RGB and served), at most once per LAYOUT_LOG_S per topic; else ''. Holds
+        """The line to log when `msg`'s layout (encoding, size) differs from the one last
+        logged (or first seen) for the topic (a camera reconfigured mid-run: a colour camera
+        sending mono8 is replicated to grey RGB and served), at most once per LAYOUT_LOG_S
+        per topic: changes within it are told at the first frame after it; else ''. Holds
         the lock."""
         layout = _layout_text(msg)
         before, self._layouts[topic] = self._layouts.get(topic), layout
-        if before is None or before == layout:
+        if before is not None and before != layout:
+            self._layout_changes[topic] = self._layout_changes.get(topic, 0) + 1
+            self._layout_told.setdefault(topic, before)
+        if not self._layout_changes.get(topic):
             return ''
-        self._layout_changes[topic] = self._layout_changes.get(topic, 0) + 1
         last = self._layout_logged.get(topic)
         if last is not None and 0.0 <= received - last < LAYOUT_LOG_S:
             return ''
         self._layout_logged[topic] = received
-        count = self._layout_changes.pop(topic)
+        count, told = self._layout_changes.pop(topic), self._layout_told.pop(topic)
+        if told == layout:
+            return (f'camera {topic}: frames changed layout {count} times since the last such '
+                    f'line and are {layout} again')
         more = f' ({count} changes since the last such line)' if count > 1 else ''
-        return (f'camera {topic}: frames changed from {before} to {layout}{more}; the model '
+        return (f'camera {topic}: frames changed from {told} to {layout}{more}; the model '
                 'gets them resized to its input as they come: is the camera configured as '
                 'in training?')
 
@@ -475,7 +483,7 @@ class ObservationSynchronizer:
         for topic, frame in frames.items():
             why = f' ({refused[topic]})' if topic in refused else ''
             if frame is None:
-                reasons.append(f'camera {topic} has no image yet{why}{self._input_hint(topic)}')
+                reasons.append(f'camera {topic} {NOT_YET[0]}{why}{self._input_hint(topic)}')
                 topics.append(topic)
             elif self.stamp_problem(frame.stamp, now):
                 reasons.append(f'camera {topic} {self.stamp_problem(frame.stamp, now)}')
@@ -565,7 +573,7 @@ class ObservationSynchronizer:
                            or self._problems.get(self.joint_state_topic, ''))
             what = (f'lacks joints {missing}' if any_joint
                     else f'has no usable position for joints {missing}' if problem
-                    else 'has no message yet' + self._input_hint(self.joint_state_topic))
+                    else NOT_YET[1] + self._input_hint(self.joint_state_topic))
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:
