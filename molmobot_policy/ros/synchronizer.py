@@ -37,7 +37,8 @@ LAYOUT_LOG_S = 10.0    # a camera's frame layout changing mid-run is logged at m
 RATE_RESTART_S = 1.0   # a receive time this far before the last one is ROS time gone back (sim
                        # time restarted): the rate window starts over. Smaller steps back are
                        # callbacks on two threads stamping out of order, not a new time base
-NOT_YET = ('has no image yet', 'has no message yet')    # an input that never arrived
+NOT_YET = ('has no image yet', 'has no message yet')    # an input that never arrived (the
+                                                        # skip reasons' words: `build`)
 DECODE_THREADS = 8     # the decode pool: one thread per camera of the 8-camera contract
 _decode_pool: ThreadPoolExecutor | None = None
 log = logging.getLogger('molmobot_policy.inputs')
@@ -483,7 +484,7 @@ class ObservationSynchronizer:
         for topic, frame in frames.items():
             why = f' ({refused[topic]})' if topic in refused else ''
             if frame is None:
-                reasons.append(f'camera {topic} {NOT_YET[0]}{why}{self._input_hint(topic)}')
+                reasons.append(f'camera {topic} has no image yet{why}{self._input_hint(topic)}')
                 topics.append(topic)
             elif self.stamp_problem(frame.stamp, now):
                 reasons.append(f'camera {topic} {self.stamp_problem(frame.stamp, now)}')
@@ -573,7 +574,7 @@ class ObservationSynchronizer:
                            or self._problems.get(self.joint_state_topic, ''))
             what = (f'lacks joints {missing}' if any_joint
                     else f'has no usable position for joints {missing}' if problem
-                    else NOT_YET[1] + self._input_hint(self.joint_state_topic))
+                    else 'has no message yet' + self._input_hint(self.joint_state_topic))
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:
