@@ -62,7 +62,7 @@ def test_chunk_info_without_debug_timing_has_no_delay_keys():
                            ChunkInfo.POINTS, ChunkInfo.DROPPED, ChunkInfo.FRAMES_DECODED,
                            ChunkInfo.DECODE_MS, ChunkInfo.FIRST_ACTION,
                            ChunkInfo.VELOCITY_LIMITED, ChunkInfo.POSITION_CLIPPED,
-                           ChunkInfo.START_OFFSET}
+                           ChunkInfo.START_OFFSET, ChunkInfo.INSTRUCTION}
     assert values[ChunkInfo.TICK] == '12' and values[ChunkInfo.POINTS] == '4'
     assert float(values[ChunkInfo.OBSERVATION_STAMP]) == 1234.3
     assert values[ChunkInfo.FRAMES_DECODED] == '8' and values[ChunkInfo.DROPPED] == '2'

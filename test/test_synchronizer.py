@@ -228,8 +228,9 @@ def test_decode_time_covers_the_decoding_and_is_zero_when_nothing_was_decoded():
     _fill(sync, stamp=10.3)
     sync.build(now=10.4, max_image_age=1.0, max_state_age=1.0)
     assert sync.last_build_decode_s >= max(spent[len(CAMERAS):]) > 0.0
+    reported = sync.last_build_decode_s
     sync.build(now=20.0, max_image_age=1.0, max_state_age=1.0)    # stale: a skip, no decode
-    assert sync.last_build_decode_s == 0.0
+    assert sync.last_build_decode_s == reported      # still the last observation's
 
 
 def test_a_build_decodes_its_frames_concurrently():
@@ -255,9 +256,16 @@ def test_a_build_decodes_its_frames_concurrently():
 
 
 def test_decode_time_counts_a_frame_that_failed_to_decode():
+    """The skipped build's decodes (the good frame and the failed one) count toward the next
+    observation's decode time; its frames are the ones new since the last observation."""
     sync = _with_undecodable_frame(CAMERAS[1])
     assert isinstance(sync.build(now=10.1, max_image_age=1.0, max_state_age=1.0), Skip)
-    assert sync.last_build_decoded == len(CAMERAS) and sync.last_build_decode_s > 0.0
+    assert sync.frames_decoded == len(CAMERAS)
+    sync.add_image(CAMERAS[1], _image(2), 10.2, 10.2)
+    assert isinstance(sync.build(now=10.2, max_image_age=1.0, max_state_age=1.0), Observation)
+    assert sync.frames_decoded == len(CAMERAS) + 1
+    assert sync.last_build_decoded == len(CAMERAS)      # both frames new to an observation
+    assert sync.last_build_decode_s > 0.0
 
 
 def _with_undecodable_frame(camera):

@@ -29,8 +29,8 @@ class ChunkInfo:
     PUBLISH_JITTER_MS = 'publish_jitter_ms'     # publish time - deadline
     POINTS = 'points'
     DROPPED = 'dropped'                     # actions in the past at publish time
-    FRAMES_DECODED = 'frames_decoded'       # camera frames decoded for this chunk
-    DECODE_MS = 'decode_ms'                 # their decode wall time (before inference_ms)
+    FRAMES_DECODED = 'frames_decoded'       # camera frames new to this chunk's observation
+    DECODE_MS = 'decode_ms'                 # decode wall time since the previous chunk
     FIRST_ACTION = 'first_action'           # `format_action` of the first point
     VELOCITY_LIMITED = 'velocity_limited'   # (point, joint) values moved by max_joint_velocity
     POSITION_CLIPPED = 'position_clipped'   # ... by joint_position_min / _max
@@ -114,8 +114,8 @@ def chunk_info(report: ChunkReport, name: str, frames_decoded: int,
                decode_s: float) -> DiagnosticStatus:
     """~/chunk_info for one published chunk: level OK, name '<name>: chunk', the
     `ChunkInfo` keys; the delay keys only when the report carries delay clues.
-    `frames_decoded` camera frames were decoded for the chunk's observation, in `decode_s` s
-    (reported as decode_ms, 3 decimals)."""
+    `frames_decoded`: the observation's camera frames new since the previous chunk's;
+    `decode_s`: s spent decoding since the previous chunk (reported as decode_ms, 3 decimals)."""
     values = {
         ChunkInfo.TICK: report.tick, ChunkInfo.OBSERVATION_SEQ: report.observation_seq,
         ChunkInfo.OBSERVATION_STAMP: f'{report.observation_stamp:.6f}',

@@ -146,10 +146,13 @@ class ObservationSynchronizer:
 
     Attributes:
         frames_decoded: frames `build` has decoded (or tried to) since construction.
-        last_build_decoded: of those, by the latest `build` (worker thread only).
-        last_build_decode_s: wall time (time.perf_counter) the latest `build` spent
-            decoding its frames (in parallel where several), s; 0.0 when it decoded nothing
-            (frames already decoded are reused).
+        last_build_decoded: the frames of the latest observation `build` returned that the
+            observation before it did not use (each decoded once: by that build or by a
+            skipped one before it); worker thread only.
+        last_build_decode_s: wall time (time.perf_counter) spent decoding frames (in
+            parallel where several) by that build and the skipped builds since the
+            observation before it, s; 0.0 when none decoded anything (frames already decoded
+            are reused).
 
     Raises:
         ValueError: empty or duplicated camera topics or joint names, max_future < 0,
@@ -206,6 +209,7 @@ class ObservationSynchronizer:
         self._layout_told: dict[str, str] = {}      # ... the layout the last line left it in
         self._seq = 0
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
+        self._decode_s_since = 0.0      # decode time since the last observation returned
 
     # ----------------------------------------------------------------- store (callbacks)
     def add_image(self, topic: str, msg, stamp: float, received: float,
@@ -474,7 +478,6 @@ class ObservationSynchronizer:
             Every fresh frame is decoded (once) even when another input skips the tick, so
             that a camera's own fault is named at once, not after the others are fixed.
         """
-        self.last_build_decoded, self.last_build_decode_s = 0, 0.0
         with self._lock:
             frames = {t: self._frames.get(t) for t in self.camera_topics}
             joints = {n: self._joints.get(n) for n in self.joint_names}
@@ -508,9 +511,8 @@ class ObservationSynchronizer:
         if pending:
             began = time.perf_counter()
             errors = dict(zip((topic for topic, _ in pending), self._decode_frames(pending)))
-            self.last_build_decode_s = time.perf_counter() - began
+            self._decode_s_since += time.perf_counter() - began
             self.frames_decoded += len(pending)
-            self.last_build_decoded = len(pending)
         for topic, error in errors.items():
             with self._lock:
                 self._note_problem(self._problems, topic,
@@ -527,6 +529,9 @@ class ObservationSynchronizer:
         if older:
             return Skip(tuple(f'{k} went back in time' for k in older), tuple(older))
 
+        self.last_build_decoded = sum(1 for t, f in frames.items()
+                                      if f.stamp != self._last_stamps.get(t))
+        self.last_build_decode_s, self._decode_s_since = self._decode_s_since, 0.0
         self._last_stamps = stamps
         self._seq += 1
         image_stamps = tuple(f.stamp for f in frames.values())
