@@ -111,6 +111,7 @@ class PolicyNode(LifecycleNode):
         self._input_subscriptions = []
         self._receiver: CameraReceiver | None = None    # camera_receiver: subprocess, active
         self._receiver_failed = ''      # the receiver's exit, logged once per exit
+        self._receiver_last_exit = ''   # ... the last one, kept for the 'inference' status
         self._receiver_restarting = threading.Lock()     # one restart at a time
         self._receiver_restarted_at = -math.inf          # time.monotonic() of the last try
         self.quiet_window = QuietWindow()   # the worker's publish window (ros.main's executor)
@@ -140,7 +141,8 @@ class PolicyNode(LifecycleNode):
         if receiver is not None:
             mode['camera_receiver'] += f'; pid {receiver.pid}, node {receiver.node_name}'
             if receiver.restarts:
-                mode['camera_receiver'] += f'; restarted {receiver.restarts} times'
+                mode['camera_receiver'] += (f'; restarted {receiver.restarts} times (the last '
+                                            f'exit: {self._receiver_last_exit})')
             problem = receiver.problem()
             if problem:
                 mode['camera_receiver'] += f'; {problem}'
@@ -595,7 +597,7 @@ class PolicyNode(LifecycleNode):
         problem = receiver.problem()
         if problem:
             if not self._receiver_failed:
-                self._receiver_failed = problem
+                self._receiver_failed = self._receiver_last_exit = problem
                 self.get_logger().error(
                     f'{problem}: no camera frames arrive (every tick is skipped); restarting it '
                     f'(at most every {RECEIVER_RESTART_S:.0f} s while it fails)')
