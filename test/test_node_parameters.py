@@ -315,6 +315,22 @@ def test_list_values_set_at_run_time_arrive_as_arrays_and_are_taken():
     assert bucket_lengths(array.array('q', [1664])) == (1664,)
 
 
+def test_position_limits_that_would_clip_the_gripper_command_are_refused():
+    """A documentation audit: joint_position_min [0.1] (meant for the arm, in rad) clipped
+    gripper_open 0.04 / gripper_closed 0.0 to 0.1 in every point."""
+    from molmobot_policy.ros.parameters import motion_limiter
+    values = {name: default for name, (default, _) in PARAMETERS.items()}
+    values.update(gripper_index=6, gripper_open=0.04, gripper_closed=0.0,
+                  joint_position_min=[0.1])
+    with pytest.raises(ParameterError, match=r"'joint_position_min': \[0.1\] puts the gripper "
+                                             r'dimension \(gripper_index 6\) at 0.1, which '
+                                             r'would clip gripper_open 0.04, gripper_closed 0.0'):
+        motion_limiter(values.get)
+    values['joint_position_min'] = [-3.0] * 6 + [0.0]      # the gripper's own limit: taken
+    values['joint_position_max'] = [3.0] * 6 + [0.04]
+    motion_limiter(values.get)
+
+
 def test_an_empty_topic_or_joint_list_is_refused():
     """(rclpy cannot type an empty list parameter; a list that ends up empty is refused.)"""
     from molmobot_policy.ros.parameters import check_parameter_values

@@ -525,6 +525,28 @@ def chunk_stitcher(parameter) -> ChunkStitcher:
                          max_step=None if max_step is None else np.array(max_step))
 
 
+def check_gripper_within_limits(parameter, gripper: int) -> None:
+    """ParameterError when gripper_open or gripper_closed lies outside the position limits of
+    the gripper dimension `gripper` (a single limit written for the arm's joints in rad also
+    applies to it): every point's gripper command would be clipped to the limit, the
+    gripper then never reaching that state."""
+    commands = {'gripper_open': parameter('gripper_open'),
+                'gripper_closed': parameter('gripper_closed')}
+    for name, side in (('joint_position_min', min), ('joint_position_max', max)):
+        limits = per_joint(parameter, name)
+        if limits is None:
+            continue
+        limit = limits[gripper]
+        outside = {k: v for k, v in commands.items()
+                   if (v < limit if side is min else v > limit)}
+        if outside:
+            raise ParameterError(name, list(parameter(name)), (
+                f'puts the gripper dimension (gripper_index {gripper}) at {limit!r}, which '
+                f"would clip {', '.join(f'{k} {v!r}' for k, v in outside.items())}: give "
+                "the gripper's own limit in its units (one value per action joint), or "
+                f"{'-.inf' if side is min else '.inf'} for it"))
+
+
 def motion_limiter(parameter) -> MotionLimiter:
     """The `MotionLimiter` of max_joint_velocity, joint_position_min, joint_position_max and
     max_step; `parameter(name)` -> its value. The gripper dimension (gripper_index >= 0) has
@@ -538,6 +560,7 @@ def motion_limiter(parameter) -> MotionLimiter:
         velocity[gripper] = np.inf
         if step is not None:
             step[gripper] = np.inf
+        check_gripper_within_limits(parameter, gripper)
     try:
         return MotionLimiter(max_velocity=velocity,
                              position_min=per_joint(parameter, 'joint_position_min'),
