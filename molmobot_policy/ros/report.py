@@ -16,7 +16,7 @@ from molmobot_policy.timing import LoopEvents
 WARN_THROTTLE_S = 2.0       # at most one warning per call site per this many seconds
 BACKOFF_AFTER_S = 30.0      # a warning unchanged (numbers aside) this long is logged ...
 REPEAT_S = 30.0             # ... every this many seconds, saying how long it has lasted
-STARTUP_GRACE_S = 2.0       # an activation's skips for inputs not yet received, before its
+STARTUP_GRACE_S = 5.0       # an activation's skips for inputs not yet received, before its
                             # first chunk and this long from its start, are INFO 'waiting for
                             # the first inputs' (DDS discovery, drivers starting), not warnings
 _NUMBER = re.compile(r'\d+(?:\.\d+)?')
