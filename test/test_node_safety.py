@@ -542,6 +542,10 @@ def test_a_camera_topic_carrying_another_message_type_is_named_in_the_skip(graph
                     'sensor_msgs/msg/CompressedImage, this node expects sensor_msgs/msg/Image '
                     '(camera_transports?)')
         assert g.wait_for(lambda: expected in g.log.text('warning')), g.log.text()
+        status = g.status(f'camera {wrong}')          # and on the camera's status
+        assert status.message == ('no message received: its publishers send '
+                                  'sensor_msgs/msg/CompressedImage, this node expects '
+                                  'sensor_msgs/msg/Image (camera_transports?)'), status.message
     finally:
         rclpy.try_shutdown(context=context)
 

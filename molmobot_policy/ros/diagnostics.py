@@ -84,7 +84,8 @@ def policy_updater(node, sync, loop, gc_pauses, watchdog, parameter: Callable[[s
     for label, topic, max_age in inputs + [('joint state', sync.joint_state_topic,
                                             'max_state_age')]:
         updater.add(InputTask(label, topic, lambda topic=topic: sync.stats(now())[topic],
-                              max_age, parameter))
+                              max_age, parameter,
+                              hint=lambda topic=topic: sync.silence_hint(topic)))
     updater.add(InferenceTask(loop.stats.inference_ms, mode, parameter, served, loop.latency))
     updater.add(ScheduleTask(loop.stats, gc_pauses, lambda: sync.frames_decoded, parameter))
     updater.add(OutputTask(watchdog, loop.stats, now, sim_time, unanchored=unanchored))
@@ -190,19 +191,23 @@ class InputTask(DiagnosticTask):
         label: 'camera' or 'joint state' (the status is named '<label> <topic>').
         max_age_parameter: 'max_image_age' or 'max_state_age'.
         parameter: name -> the node parameter's current value.
+        hint: () -> '' or why nothing arrives (`ros.graph.silence_hint`), appended to 'no
+            message received'.
     """
 
     def __init__(self, label: str, topic: str, stats: Callable, max_age_parameter: str,
-                 parameter: Callable[[str], object]) -> None:
+                 parameter: Callable[[str], object],
+                 hint: Callable[[], str] | None = None) -> None:
         super().__init__(f'{label} {topic}')
         self._stats, self._max_age, self._parameter = stats, max_age_parameter, parameter
+        self._hint = hint or (lambda: '')
 
     def run(self, stat):
         stats = self._stats()
         max_age, min_rate = self._parameter(self._max_age), self._parameter(
             'diag_min_camera_rate')
         if stats.count == 0:
-            stat.summary(ERROR, 'no message received')
+            stat.summary(ERROR, f'no message received{self._hint()}')
         elif stats.problem and stats.problem_age is not None and stats.problem_age > max_age:
             stat.summary(ERROR, f'{stats.problem} (for {stats.problem_age:.1f} s > '
                                 f'{self._max_age} {max_age:.3f} s)')

@@ -344,6 +344,10 @@ class ObservationSynchronizer:
                     'synchronized?')
         return ''
 
+    def silence_hint(self, topic: str) -> str:
+        """The `input_hint` of `topic` (why nothing may arrive on it; '' for none)."""
+        return self._input_hint(topic)
+
     def refused(self, topic: str) -> str:
         """Why the last message on `topic` (a camera or the joint state topic) was not
         stored ('' when it was): its stamp was unset or in the future, or it was malformed."""
