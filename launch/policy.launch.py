@@ -128,7 +128,8 @@ def policy_node(context):
             f'{os.path.join(get_package_share_directory(PACKAGE), "config", "policy_tiny.yaml")}')))
     parameters = ([params_file] if params_file else []) + ([overrides] if overrides else [])
     actions.append(Node(
-        package=PACKAGE, executable='policy_node', name=NODE_NAME, namespace=namespace, output='screen', emulate_tty=True,
+        package=PACKAGE, executable='policy_node', name=NODE_NAME, namespace=namespace,
+        output='screen', emulate_tty=True,
         parameters=parameters,
         ros_arguments=['--log-level', f'{node_logger_name(namespace)}:='
                                       f"{LaunchConfiguration('log_level').perform(context)}"]))

@@ -326,6 +326,9 @@ def test_position_limits_that_would_clip_the_gripper_command_are_refused():
                                              r'dimension \(gripper_index 6\) at 0.1, which '
                                              r'would clip gripper_open 0.04, gripper_closed 0.0'):
         motion_limiter(values.get)
+    values['joint_position_min'] = 0.1                      # one number, as written
+    with pytest.raises(ParameterError, match=r"'joint_position_min': 0.1 puts the gripper"):
+        motion_limiter(values.get)
     values['joint_position_min'] = [-3.0] * 6 + [0.0]      # the gripper's own limit: taken
     values['joint_position_max'] = [3.0] * 6 + [0.04]
     motion_limiter(values.get)

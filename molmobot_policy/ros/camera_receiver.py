@@ -226,8 +226,8 @@ def run_receiver(node_name: str, namespace: str, cameras, camera_qos: str, segme
                  capacity: int, stop, parent_pid: int, ready=None) -> None:
     """The child's main: subscribe `cameras` (then set `ready`, a multiprocessing Event)
     and write each message into its slot of `segment` until `stop` (an Event) is set or the
-    parent `parent_pid` is gone. SIGINT is ignored (a Ctrl-C reaches the whole process group; the parent stops the
-    child); SIGTERM ends it."""
+    parent `parent_pid` is gone. SIGINT is ignored (a Ctrl-C reaches the whole process group;
+    the parent stops the child); SIGTERM ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_process(b'camera_receiver')
     import rclpy

@@ -23,7 +23,6 @@ molmobot_policy.ros.node` runs).
 """
 from __future__ import annotations
 
-import array
 import functools
 import math
 import threading
@@ -43,7 +42,8 @@ from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
 from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
-                                            PARAMETERS, bucket_lengths, camera_subscriptions,
+                                            PARAMETERS, as_written, bucket_lengths,
+                                            camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters,
                                             motion_limiter, threshold_problem,
@@ -209,10 +209,9 @@ class PolicyNode(LifecycleNode):
         for p in parameters:    # accepted (the set is atomic: all of them or none)
             if p.value == self._param(p.name):
                 continue        # nothing changes: nothing to log
-            old, new_value = (list(v) if isinstance(v, array.array) else v
-                              for v in (self._param(p.name), p.value))
-            self.get_logger().info(f"parameter '{p.name}' set: {old!r} -> "
-                                   f"{new_value!r}{notes.get(p.name, '')}")
+            self.get_logger().info(f"parameter '{p.name}' set: "
+                                   f"{as_written(self._param(p.name))!r} -> "
+                                   f"{as_written(p.value)!r}{notes.get(p.name, '')}")
         return SetParametersResult(successful=True)
 
     # ------------------------------------------------------------------ lifecycle

@@ -33,8 +33,8 @@ Every parameter the node declares, in declaration order. Set them in a `--params
 fails configure with a suggestion. *run time*: `yes`: `ros2 param set` (with the PyPI wheels
 only, which have no `ros2 param`: the SetParameters call of docs/ROBOT.md) changes it while the
 node runs; `unconfigured`: read at configure / activate, so a set is taken only while the node
-is unconfigured (deactivate, cleanup, set, configure, activate); `no`: read at start only. Write doubles with a decimal point (`1.0`, not `1`) in
-parameter files (a file's `1` is refused with that hint); `ros2 param set` takes `1` for a
+is unconfigured (deactivate, cleanup, set, configure, activate); `no`: read at start only.
+Write doubles with a decimal point (`1.0`, not `1`) in parameter files (a file's `1` is refused with that hint); `ros2 param set` takes `1` for a
 double as `1.0`. *dynamic*: the node converts the value at configure, so a per-joint list
 also takes one number, and `fused_action_expert` also takes unquoted `on` / `off` (which
 YAML reads as booleans).

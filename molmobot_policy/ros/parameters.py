@@ -497,13 +497,19 @@ def unlimited_velocity_joints(parameter, limiter: MotionLimiter) -> list[str]:
             if k != parameter('gripper_index') and np.isinf(v)]
 
 
+def as_written(value):
+    """A parameter value as a user wrote it, for messages: an array.array (a run-time set of
+    a list) as a list, anything else as it is."""
+    return list(value) if isinstance(value, array.array) else value
+
+
 def per_joint(parameter, name: str) -> list[float] | None:
     """A per-action-joint list parameter (float or list) as one float per action joint, or
     None when empty (an empty YAML list reaches rclpy as no value: None); `parameter(name)`
     -> its value. Raises ParameterError otherwise."""
     value, joints = parameter(name), len(parameter('action_joint_names'))
     values = [] if value is None else list(value) if isinstance(value, ARRAYS) else [value]
-    value = list(value) if isinstance(value, array.array) else value      # as written
+    value = as_written(value)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ParameterError(name, value, f'is not a number or a list of numbers (one value, '
                                           f'or one per action joint: {joints})')
@@ -525,22 +531,22 @@ def chunk_stitcher(parameter) -> ChunkStitcher:
                          max_step=None if max_step is None else np.array(max_step))
 
 
-def check_gripper_within_limits(parameter, gripper: int) -> None:
+def check_gripper_within_limits(parameter, gripper: int, limits: dict) -> None:
     """ParameterError when gripper_open or gripper_closed lies outside the position limits of
     the gripper dimension `gripper` (a single limit written for the arm's joints in rad also
     applies to it): every point's gripper command would be clipped to the limit, the
-    gripper then never reaching that state."""
+    gripper then never reaching that state. `limits`: {'joint_position_min': `per_joint`'s
+    list or None, 'joint_position_max': ...}."""
     commands = {'gripper_open': parameter('gripper_open'),
                 'gripper_closed': parameter('gripper_closed')}
     for name, side in (('joint_position_min', min), ('joint_position_max', max)):
-        limits = per_joint(parameter, name)
-        if limits is None:
+        if limits[name] is None:
             continue
-        limit = limits[gripper]
+        limit = limits[name][gripper]
         outside = {k: v for k, v in commands.items()
                    if (v < limit if side is min else v > limit)}
         if outside:
-            raise ParameterError(name, list(parameter(name)), (
+            raise ParameterError(name, as_written(parameter(name)), (
                 f'puts the gripper dimension (gripper_index {gripper}) at {limit!r}, which '
                 f"would clip {', '.join(f'{k} {v!r}' for k, v in outside.items())}: give "
                 "the gripper's own limit in its units (one value per action joint), or "
@@ -555,16 +561,18 @@ def motion_limiter(parameter) -> MotionLimiter:
     wrong length or type)."""
     velocity = per_joint(parameter, 'max_joint_velocity')
     step = per_joint(parameter, 'max_step')
+    limits = {name: per_joint(parameter, name)
+              for name in ('joint_position_min', 'joint_position_max')}
     gripper = parameter('gripper_index')
     if 0 <= gripper < len(velocity):
         velocity[gripper] = np.inf
         if step is not None:
             step[gripper] = np.inf
-        check_gripper_within_limits(parameter, gripper)
+        check_gripper_within_limits(parameter, gripper, limits)
     try:
         return MotionLimiter(max_velocity=velocity,
-                             position_min=per_joint(parameter, 'joint_position_min'),
-                             position_max=per_joint(parameter, 'joint_position_max'),
+                             position_min=limits['joint_position_min'],
+                             position_max=limits['joint_position_max'],
                              max_step=step)
     except ParameterError:
         raise
