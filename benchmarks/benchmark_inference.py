@@ -63,7 +63,9 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
         '+vit_bf16_attn': dict(opt, **blocks),
         '+fused_ae': dict(opt),                 # the default configuration
         '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
+        '+flash_attn': dict(opt, llm_attention='flash'),      # opt-in LLM attention
         '+fp8': dict(opt, quantize='fp8'),
+        '+flash_attn_fp8': dict(opt, llm_attention='flash', quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)
     }
 

@@ -87,6 +87,20 @@ def test_every_llm_layer_hidden_state_matches_golden(hidden_states, case):
     assert max(errors) < RTOL, errors
 
 
+def test_every_llm_layer_matches_golden_through_the_tile_classified_mask(golden_model, case):
+    """The served flash path's mask object (`llm_attention: flash`): per-token kinds, tile
+    classes and the op's CPU schedule of them, in place of the additive mask."""
+    from molmobot_policy.runtime.serving import image_tokens_mask
+    model, _ = golden_model
+    with torch.no_grad():
+        hidden = model.llm_hidden_states(*inputs(case),
+                                         position_ids=torch.from_numpy(case['position_ids']),
+                                         llm_mask=image_tokens_mask(model))
+    ref = case['llm_layer_hidden_states']
+    errors = [rel_err(hidden[i], ref[i]) for i in range(ref.shape[0])]
+    assert max(errors) < RTOL, errors
+
+
 def test_velocity_step0_matches_golden(golden_model, case, hidden_states):
     model, _ = golden_model
     ae = model.action_expert

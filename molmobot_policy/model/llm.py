@@ -96,10 +96,14 @@ class OLMoSequentialBlock(nn.Module):
         k = self.k_norm(k.view(b, n, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: query head h reads KV head h // (n_heads / n_kv_heads). SDPA groups the heads
-        # itself, faster than repeating K/V to n_heads first.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, enable_gqa=True)
-        return self.attn_out(out.transpose(1, 2).reshape(b, n, -1))
+        if isinstance(attn_bias, torch.Tensor):
+            # GQA: query head h reads KV head h // (n_heads / n_kv_heads). SDPA groups the
+            # heads itself, faster than repeating K/V to n_heads first.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, enable_gqa=True)
+            out = out.transpose(1, 2)
+        else:   # a served mask object (`runtime.flash_attention.ImageTokensMask`) attends itself
+            out = attn_bias(q, k, v)
+        return self.attn_out(out.reshape(b, n, -1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_bias: torch.Tensor) -> torch.Tensor:
@@ -138,7 +142,9 @@ class Llm(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 attn_bias: torch.Tensor) -> torch.Tensor:
         """x (B, L, d_model) input embeddings; position_ids int64 (B, L) in
-        [0, max_sequence_length); attn_bias (B, 1, L, L) additive, x's dtype.
+        [0, max_sequence_length); attn_bias (B, 1, L, L) additive, x's dtype, or a mask
+        object called as mask(q (B, Hq, L, hd), k, v (B, Hkv, L, hd)) -> (B, L, Hq, hd) (the
+        served form of the same mask, `runtime.flash_attention.ImageTokensMask`).
         Returns (n_layers, B, L, d_model): the output of every block, before ln_f."""
         cos = self.rope_cos[position_ids].unsqueeze(1)
         sin = self.rope_sin[position_ids].unsqueeze(1)

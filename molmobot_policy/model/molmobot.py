@@ -99,14 +99,18 @@ class MolmoBot(nn.Module):
     def llm_hidden_states(self, input_ids: torch.Tensor, images: torch.Tensor,
                           token_pooling: torch.Tensor, position_ids: torch.Tensor | None = None,
                           attention_mask: torch.Tensor | None = None,
-                          image_positions: torch.Tensor | None = None) -> torch.Tensor:
+                          image_positions: torch.Tensor | None = None,
+                          llm_mask: Callable | None = None) -> torch.Tensor:
         """Output of every LLM block (before ln_f), (n_layers, B, L, d_model), param dtype.
 
         input_ids int64 (B, L); images uint8 (B, N, 729, 588); token_pooling int64
         (B, N*196, 4); position_ids int64 (B, L), default cumsum(attention_mask) - 1 clamped
         at 0 (arange(L) without a mask); attention_mask bool (B, L), False = padding;
         image_positions int64 (B, N*196), positions of the `<im_patch>` tokens (computed
-        from input_ids when None, eager only). Raises ValueError on malformed inputs.
+        from input_ids when None, eager only); llm_mask: optional
+        `llm_mask(input_ids, attention_mask) -> mask object` for the LLM blocks in place of the
+        additive bias of `attention_allowed` (the served engine's form of the same mask,
+        `Llm.forward`). Raises ValueError on malformed inputs.
         """
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f'input_ids must be int64 (B, L), got {input_ids.dtype} '
@@ -122,6 +126,8 @@ class MolmoBot(nn.Module):
             else:
                 position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         x = self.embed_inputs(input_ids, images, token_pooling, image_positions)
+        if llm_mask is not None:
+            return self.transformer(x, position_ids, llm_mask(input_ids, attention_mask))
         allowed = self.attention_allowed(input_ids, attention_mask)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
         bias = bias.masked_fill(~allowed, torch.finfo(x.dtype).min)

@@ -202,6 +202,11 @@ PARAMETERS = {
                     "'on' / true / 'triton' (required: configure fails where it cannot "
                     "serve), 'cluster' (required likewise), 'off' / false",
         dynamic=True)),
+    'llm_attention': ('masked', descriptor(
+        "the LLM's masked attention: the additive (L, L) mask through SDPA, or (opt-in) "
+        "FlashAttention-4's kernel with the mask as a rule per score and its tiles classified "
+        'per query (CUDA, Hopper or Blackwell, bfloat16 or float16, the flash-attn-4 package; '
+        'checked against float32 at start-up)', _S, constraints="'masked' or 'flash'")),
     'buckets': ([], descriptor(
         "fixed prompt lengths (tokens) to pad to; empty ([] or 'none'): no padding", _IA,
         dynamic=True)),
@@ -246,7 +251,7 @@ PARAMETERS = {
 ENGINE_PARAMETERS = ('model', 'checkpoint_path', 'tokenizer_path', 'tokenizer',
                      'norm_stats_key', 'device', 'dtype', 'seed', 'flow_steps', 'compile',
                      'cuda_graphs', 'quantize', 'buckets', 'overlong', 'vit_fp32_attention',
-                     'fused_action_expert', 'instruction')
+                     'fused_action_expert', 'llm_attention', 'instruction')
 CONTRACT_PARAMETERS = ('gripper_index', 'gripper_threshold', 'gripper_open', 'gripper_closed')
 
 

@@ -13,6 +13,7 @@ from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
 FUSED_AE_MODES = ('auto', 'on', 'off', 'cluster', 'triton')
+LLM_ATTENTION_MODES = ('masked', 'flash')
 
 
 def fused_action_expert_mode(value):
@@ -70,6 +71,13 @@ class EngineConfig:
             'off' never. `mode` says which runs and why. Same math within bf16 rounding
             (closer to float32 than the blocks: the residual stream stays float32 in the
             kernels).
+        llm_attention: how the LLM attends under its mask ("causal, or both tokens image
+            tokens", padding hidden): 'masked' (default) passes the (L, L) additive mask to
+            SDPA (upstream's form); 'flash' runs FlashAttention-4's Hopper / Blackwell kernel
+            with the mask as a rule per score and its 128 x 128 tiles classified full /
+            partial / empty per query (`runtime.flash_attention`: CUDA, bf16/fp16, the
+            flash-attn-4 package), checked against float32 at start-up. Same result within
+            bf16 rounding; `mode` says which runs.
         instruction: default instruction, used when an observation carries none.
     """
 
@@ -90,6 +98,7 @@ class EngineConfig:
     quantize: str = 'none'
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
+    llm_attention: str = 'masked'
     instruction: str = ''
 
     def __post_init__(self) -> None:
@@ -120,6 +129,12 @@ class EngineConfig:
             if mode == 'cluster' and self.dtype != 'bfloat16':
                 raise ValueError(f"fused_action_expert=cluster needs dtype 'bfloat16', got "
                                  f'{self.dtype!r}')
+        if self.llm_attention not in LLM_ATTENTION_MODES:
+            raise ValueError(f'llm_attention must be one of {LLM_ATTENTION_MODES}, got '
+                             f'{self.llm_attention!r}')
+        if self.llm_attention == 'flash' and not self.device.startswith('cuda'):
+            raise ValueError(f'llm_attention=flash needs a CUDA device, got '
+                             f'device={self.device!r}')
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))

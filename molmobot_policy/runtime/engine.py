@@ -127,13 +127,14 @@ class PolicyEngine:
         """The device part of one query as one function of tensors: the served, K/V-cached form
         of `MolmoBot.generate_actions` (the same `euler_flow`, the served velocity)."""
         model, served = self.model, self.served.action_expert
-        kv_cache, steps = self.config.kv_cache, self.flow_steps
+        kv_cache, steps, llm_mask = self.config.kv_cache, self.flow_steps, self.served.llm_mask
 
         def query(input_ids, attention_mask, position_ids, image_positions, token_pooling,
                   images, states, noise):
             hidden = model.select_ae_layers(model.llm_hidden_states(
                 input_ids, images, token_pooling, position_ids=position_ids,
-                attention_mask=attention_mask, image_positions=image_positions))
+                attention_mask=attention_mask, image_positions=image_positions,
+                llm_mask=llm_mask))
             cached = served.context(hidden, attention_mask, states) if kv_cache else None
 
             def velocity(x, i):    # kv_cache=False recomputes the context every flow step
@@ -288,6 +289,7 @@ class PolicyEngine:
                 'vit_fp32_attention': str(c.vit_fp32_attention),
                 'fused_action_expert': (self.served.fused_kernel or 'off') + (
                     f' ({self.served.fused_reason})' if self.served.fused_reason else ''),
+                'llm_attention': self.served.llm_attention,
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps),
                 'cameras': str(len(self.contract.camera_names))}

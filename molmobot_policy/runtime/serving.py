@@ -13,6 +13,9 @@ dtype (moving it afterwards is not supported), the way gpt-fast fuses its weight
 - on CUDA the ViT MLP's w1 + bias + tanh-GELU is one cuBLASLt GEMM with its GELU epilogue
   (`GeluEpilogueMLP`);
 - fp8 LLM Linears (`model.fp8.quantize_llm_fp8_`, `EngineConfig.quantize`);
+- the LLM's masked attention through FlashAttention-4 with the mask as a rule per score and
+  its tiles classified per query (`runtime.flash_attention`, `EngineConfig.llm_attention`;
+  `ServedModel.llm_mask`);
 - the action expert's per-query context projects every block's cross-attention K/V with one
   batched GEMM over the stacked kv_proj weights and without kv_proj's bias, the value bias
   folded into the output bias (`ServedActionExpert`); its AdaLN conditioning is computed once
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +229,36 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
     return '', reason
 
 
+def llm_attention_choice(config, model) -> str:
+    """How the LLM attends under `config` (`EngineConfig.llm_attention`): 'masked', or
+    'flash' once `runtime.flash_attention.self_check` has passed on the model's device.
+
+    Raises:
+        ValueError: llm_attention=flash where it cannot serve (the reason named).
+    """
+    if config.llm_attention == 'masked':
+        return 'masked'
+    from molmobot_policy.runtime import flash_attention
+    param = next(model.parameters())
+    reason = (flash_attention.unavailable_reason(model.config, param.device, param.dtype)
+              or flash_attention.self_check(model.config, param.device, param.dtype))
+    if reason:
+        raise ValueError(f'llm_attention=flash cannot serve: {reason}')
+    return 'flash'
+
+
+def image_tokens_mask(model) -> Callable:
+    """`llm_mask(input_ids, attention_mask)` for `MolmoBot.llm_hidden_states`: the query's
+    `runtime.flash_attention.ImageTokensMask` (image tokens bi-directional where the model's
+    config says so)."""
+    from molmobot_policy.runtime.flash_attention import ImageTokensMask
+    image_ids = model.image_special_ids if model.config.bi_directional_attn else None
+
+    def llm_mask(input_ids, attention_mask):
+        return ImageTokensMask.build(input_ids, attention_mask, image_ids)
+    return llm_mask
+
+
 def _quantize_(model, quantize: str) -> str:
     """fp8 LLM Linears for quantize 'fp8' / 'fp8-rowwise' / 'fp8-tensor' (once per model);
     returns the granularity the model serves with: 'rowwise', 'tensor' or 'none'."""
@@ -245,7 +279,8 @@ class ServedModel:
     fp8: granularity of the fp8 LLM Linears ('rowwise', 'tensor' or 'none').
     fused_kernel: the kernel that runs each flow step's blocks: 'cluster', 'triton' or ''
         (the compiled blocks). fused_reason: why the preferred kernel does not serve ('' when
-        it does).
+        it does). llm_attention: 'masked' or 'flash'. llm_mask: the `llm_mask` to give
+        `MolmoBot.llm_hidden_states` (None: the additive mask).
     """
 
     model: nn.Module
@@ -253,17 +288,20 @@ class ServedModel:
     fp8: str
     fused_kernel: str
     fused_reason: str
+    llm_attention: str = 'masked'
+    llm_mask: Callable | None = None
 
 
 def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     """Applies every serving change (module docstring) to `model` in place, as `config`
-    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, kv_cache, compile,
-    cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
+    (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, llm_attention,
+    kv_cache, compile, cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
     for the model's modules, so engines may share one model (each gets its own conditioning
     and fused-kernel tables for its `flow_steps`).
 
     Raises:
-        ValueError: fused_action_expert requires a kernel that cannot serve.
+        ValueError: fused_action_expert or llm_attention requires a kernel that cannot
+            serve.
     """
     model.eval().requires_grad_(False)
     on_cuda = next(model.parameters()).is_cuda
@@ -279,7 +317,9 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     fp8 = _quantize_(model, config.quantize)
     kernel, reason = fused_kernel_choice(config, model.action_expert)
     served = ServedActionExpert(model.action_expert, flow_steps, kernel)
+    attention = llm_attention_choice(config, model)
     if config.compile:     # one-pass row reductions on CUDA: `compile.served_row_limit`
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
-    return ServedModel(model, served, fp8, kernel, reason)
+    return ServedModel(model, served, fp8, kernel, reason, attention,
+                       image_tokens_mask(model) if attention == 'flash' else None)
