@@ -47,7 +47,7 @@ from molmobot_policy.types import Observation
 
 def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, dict]:
     """Engine options per rung; each rung adds one option to the rung before it."""
-    base = dict(device=device, dtype='bfloat16')
+    base = dict(device=device, dtype='bfloat16', llm_attention='masked')
     cuda = device.startswith('cuda')
     exact = dict(vit_fp32_attention=True)      # upstream's float32 ViT attention
     blocks = dict(fused_action_expert='off')   # the compiled DiT blocks, not the fused kernel
@@ -61,9 +61,9 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
                           cuda_graphs=cuda),
         '+buckets': dict(opt, **exact, **blocks),
         '+vit_bf16_attn': dict(opt, **blocks),
-        '+fused_ae': dict(opt),                 # the default configuration
+        '+fused_ae': dict(opt),                 # the default without flash-attn-4
         '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
-        '+flash_attn': dict(opt, llm_attention='flash'),      # opt-in LLM attention
+        '+flash_attn': dict(opt, llm_attention='flash'),   # the default (auto) with it
         '+fp8': dict(opt, quantize='fp8'),
         '+flash_attn_fp8': dict(opt, llm_attention='flash', quantize='fp8'),
         '+fp8_tensor': dict(opt, quantize='fp8-tensor'),   # alternative to +fp8 (one per process)

@@ -5,7 +5,7 @@ block sparsity, against the served SDPA (cuDNN) call with the additive mask.
 One layer at the served shape (1 x 32 query / 8 KV heads x 1664 x 128, bf16, the 8-camera
 layout), CUDA graphs of 36 calls, medians of `--replays` replays; errors against float32 math
 attention with the boolean mask (||out - ref|| / ||ref|| over the valid rows). Prints a table,
-writes JSON. Needs a Hopper GPU and flash-attn-4 (`pip install --pre flash-attn-4`).
+writes JSON. Needs a Hopper GPU and flash-attn-4 (`pip install -r requirements/gpu.txt`).
 
     python3 benchmarks/probe_flash_masked_attention.py --out $OUT/flash_probe.json
 """

@@ -207,3 +207,16 @@ def test_compiled_llm_blocks_take_the_mask_object_and_match_the_additive_mask():
         got = model.llm_hidden_states(input_ids, images, pool, attention_mask=mask,
                                       llm_mask=image_tokens_mask(model))
     torch.testing.assert_close(got[:, :, mask[0]], want[:, :, mask[0]], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_serves_the_additive_mask_on_the_cpu_and_says_why():
+    from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
+    engine = PolicyEngine(EngineConfig(model='tiny'))
+    assert engine.mode['llm_attention'].startswith('masked (needs a CUDA device')
+    assert engine.served.llm_mask is None
+
+
+def test_flash_is_refused_without_cuda():
+    from molmobot_policy.runtime.config import EngineConfig
+    with pytest.raises(ValueError, match='llm_attention=flash needs a CUDA device'):
+        EngineConfig(model='tiny', llm_attention='flash')

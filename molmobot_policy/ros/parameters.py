@@ -202,11 +202,14 @@ PARAMETERS = {
                     "'on' / true / 'triton' (required: configure fails where it cannot "
                     "serve), 'cluster' (required likewise), 'off' / false",
         dynamic=True)),
-    'llm_attention': ('masked', descriptor(
-        "the LLM's masked attention: the additive (L, L) mask through SDPA, or (opt-in) "
-        "FlashAttention-4's kernel with the mask as a rule per score and its tiles classified "
-        'per query (CUDA, Hopper or Blackwell, bfloat16 or float16, the flash-attn-4 package; '
-        'checked against float32 at start-up)', _S, constraints="'masked' or 'flash'")),
+    'llm_attention': ('auto', descriptor(
+        "the LLM's masked attention: FlashAttention-4's kernel with the mask as a rule per "
+        'score and its tiles classified per query (CUDA, Hopper or Blackwell, bfloat16 or '
+        'float16, the flash-attn-4 package; checked against float32 at start-up), or the '
+        'additive (L, L) mask through SDPA', _S,
+        constraints="'auto' (FlashAttention-4 where it can serve, else the additive mask, "
+                    "logged), 'flash' (required: configure fails where it cannot serve), "
+                    "'masked'")),
     'buckets': ([], descriptor(
         "fixed prompt lengths (tokens) to pad to; empty ([] or 'none'): no padding", _IA,
         dynamic=True)),

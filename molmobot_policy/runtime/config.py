@@ -13,7 +13,7 @@ from molmobot_policy.preprocess.tokenizer import TOKENIZER_MODES
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 QUANTIZE_MODES = ('none', 'fp8', 'fp8-rowwise', 'fp8-tensor')
 FUSED_AE_MODES = ('auto', 'on', 'off', 'cluster', 'triton')
-LLM_ATTENTION_MODES = ('masked', 'flash')
+LLM_ATTENTION_MODES = ('auto', 'masked', 'flash')
 
 
 def fused_action_expert_mode(value):
@@ -72,12 +72,13 @@ class EngineConfig:
             (closer to float32 than the blocks: the residual stream stays float32 in the
             kernels).
         llm_attention: how the LLM attends under its mask ("causal, or both tokens image
-            tokens", padding hidden): 'masked' (default) passes the (L, L) additive mask to
-            SDPA (upstream's form); 'flash' runs FlashAttention-4's Hopper / Blackwell kernel
-            with the mask as a rule per score and its 128 x 128 tiles classified full /
+            tokens", padding hidden): 'flash' runs FlashAttention-4's Hopper / Blackwell
+            kernel with the mask as a rule per score and its 128 x 128 tiles classified full /
             partial / empty per query (`runtime.flash_attention`: CUDA, bf16/fp16, the
-            flash-attn-4 package), checked against float32 at start-up. Same result within
-            bf16 rounding; `mode` says which runs.
+            flash-attn-4 package), checked against float32 at start-up; 'masked' passes the
+            (L, L) additive mask to SDPA (upstream's form); 'auto' (default) runs 'flash' where
+            it can serve, else 'masked' with a log line saying why. Same result within bf16
+            rounding; `mode` says which runs and why.
         instruction: default instruction, used when an observation carries none.
     """
 
@@ -98,7 +99,7 @@ class EngineConfig:
     quantize: str = 'none'
     vit_fp32_attention: bool = False
     fused_action_expert: str = 'auto'
-    llm_attention: str = 'masked'
+    llm_attention: str = 'auto'
     instruction: str = ''
 
     def __post_init__(self) -> None:

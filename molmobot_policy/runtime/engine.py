@@ -289,7 +289,9 @@ class PolicyEngine:
                 'vit_fp32_attention': str(c.vit_fp32_attention),
                 'fused_action_expert': (self.served.fused_kernel or 'off') + (
                     f' ({self.served.fused_reason})' if self.served.fused_reason else ''),
-                'llm_attention': self.served.llm_attention,
+                'llm_attention': self.served.llm_attention + (
+                    f' ({self.served.attention_reason})' if self.served.attention_reason
+                    else ''),
                 'buckets': ','.join(map(str, c.buckets)) or 'none',
                 'flow_steps': str(self.flow_steps),
                 'cameras': str(len(self.contract.camera_names))}

@@ -38,7 +38,7 @@ log = logging.getLogger('molmobot_policy.engine')
 
 KIND_PAD, KIND_TEXT, KIND_IMAGE = 0, 1, 2
 TILE_M = TILE_N = 128        # the Hopper kernel's tile at head_dim 128 (FA4's sm90 config)
-INSTALL_HINT = "pip install 'flash-attn-4>=4.0.0b40' (a Hopper or Blackwell GPU)"
+INSTALL_HINT = 'pip install -r requirements/gpu.txt (flash-attn-4; a Hopper or Blackwell GPU)'
 
 
 @functools.lru_cache(maxsize=1)

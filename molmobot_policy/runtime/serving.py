@@ -229,22 +229,28 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
     return '', reason
 
 
-def llm_attention_choice(config, model) -> str:
-    """How the LLM attends under `config` (`EngineConfig.llm_attention`): 'masked', or
-    'flash' once `runtime.flash_attention.self_check` has passed on the model's device.
+def llm_attention_choice(config, model) -> tuple[str, str]:
+    """How the LLM attends under `config` (`EngineConfig.llm_attention`): ('flash', '') once
+    `runtime.flash_attention.self_check` has passed on the model's device ('auto', 'flash'),
+    else ('masked', why not) ('' when configured so).
 
     Raises:
         ValueError: llm_attention=flash where it cannot serve (the reason named).
     """
     if config.llm_attention == 'masked':
-        return 'masked'
+        return 'masked', ''
     from molmobot_policy.runtime import flash_attention
     param = next(model.parameters())
-    reason = (flash_attention.unavailable_reason(model.config, param.device, param.dtype)
-              or flash_attention.self_check(model.config, param.device, param.dtype))
-    if reason:
+    reason = flash_attention.unavailable_reason(model.config, param.device, param.dtype)
+    if not reason:
+        reason = flash_attention.self_check(model.config, param.device, param.dtype)
+    if not reason:
+        return 'flash', ''
+    if config.llm_attention == 'flash':
         raise ValueError(f'llm_attention=flash cannot serve: {reason}')
-    return 'flash'
+    log.info('FlashAttention-4 not used for the LLM: %s (SDPA with the additive mask '
+             'instead)', reason)
+    return 'masked', reason
 
 
 def image_tokens_mask(model) -> Callable:
@@ -279,7 +285,8 @@ class ServedModel:
     fp8: granularity of the fp8 LLM Linears ('rowwise', 'tensor' or 'none').
     fused_kernel: the kernel that runs each flow step's blocks: 'cluster', 'triton' or ''
         (the compiled blocks). fused_reason: why the preferred kernel does not serve ('' when
-        it does). llm_attention: 'masked' or 'flash'. llm_mask: the `llm_mask` to give
+        it does). llm_attention: 'masked' or 'flash'; attention_reason: why not 'flash' ('' when
+        it serves or 'masked' is configured). llm_mask: the `llm_mask` to give
         `MolmoBot.llm_hidden_states` (None: the additive mask).
     """
 
@@ -289,6 +296,7 @@ class ServedModel:
     fused_kernel: str
     fused_reason: str
     llm_attention: str = 'masked'
+    attention_reason: str = ''
     llm_mask: Callable | None = None
 
 
@@ -317,9 +325,9 @@ def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     fp8 = _quantize_(model, config.quantize)
     kernel, reason = fused_kernel_choice(config, model.action_expert)
     served = ServedActionExpert(model.action_expert, flow_steps, kernel)
-    attention = llm_attention_choice(config, model)
+    attention, attention_reason = llm_attention_choice(config, model)
     if config.compile:     # one-pass row reductions on CUDA: `compile.served_row_limit`
         compile_repeated_blocks_(model)
         compile_action_expert_glue_(model.action_expert)
-    return ServedModel(model, served, fp8, kernel, reason, attention,
+    return ServedModel(model, served, fp8, kernel, reason, attention, attention_reason,
                        image_tokens_mask(model) if attention == 'flash' else None)
