@@ -199,6 +199,61 @@ def main() -> int:
                                                  all_full_count, merged.contiguous(),
                                                  scale), exact=False)
 
+        # where a partial tile's time goes: the same tiles under cheaper rules (wrong results
+        # on padded rows or everywhere: bounds). Without the padding check the rule is exact on
+        # the real rows of a right-padded prompt (padding follows every real query).
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute import utils
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        tiles = BlockSparseTensorsTorch(t.partial_count, t.partial_index, t.full_count,
+                                        t.full_index, block_size=(FA.TILE_M, FA.TILE_N))
+
+        @cute.jit
+        def rule_without_padding(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            kinds_ = aux_tensors[0]
+            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
+            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
+            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
+            return (kv_idx <= q_idx) | ((query == image) & (key == image))
+
+        @cute.jit
+        def key_kind_only(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            kinds_ = aux_tensors[0]
+            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
+            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
+            return (kv_idx <= q_idx) | (key == image)
+
+        @cute.jit
+        def index_compare_only(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return kv_idx <= q_idx
+
+        def periodic_image_rule(start, period, length, count):
+            # image tokens as arithmetic on the index: runs of `length` every `period` from
+            # `start` (the layout of `served_layout`), constants of the compiled kernel; no
+            # loads, exact on the real rows like the rule without the padding check
+            span = period * count
+
+            @cute.jit
+            def rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+                zero = utils.scalar_to_ssa(0, cutlass.Int32)
+                dq, dk = q_idx - start, kv_idx - start
+                q_image = (dq >= zero) & (dq < span) & (dq % period < length)
+                k_image = (dk >= zero) & (dk < span) & (dk % period < length)
+                return (kv_idx <= q_idx) | (q_image & k_image)
+            return rule
+
+        label, per_image = 3, 198                      # served_layout's defaults
+        periodic = periodic_image_rule(1 + label, label + per_image, per_image, 8)
+        for name, rule, exact in (
+                ('the rule without the padding check', rule_without_padding, True),
+                ('image runs as index arithmetic (no loads)', periodic, True),
+                ('one load (the key kind) per score', key_kind_only, False),
+                ('no load (the index compare)', index_compare_only, False)):
+            record(f'FA4 tile classes, {name}',
+                   lambda rule=rule: fa(q, k, v, mask_mod=rule, aux_tensors=[kinds],
+                                        block_sparse_tensors=tiles), exact=exact)
+
     print_table(['attention', 'us per layer', 'x 36 ms', 'rel. err vs fp32'], rows)
     for key in sorted(k for k in results if k.startswith(('tiles', 'self', 'unavail'))):
         print(key, results[key])

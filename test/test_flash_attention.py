@@ -220,3 +220,22 @@ def test_flash_is_refused_without_cuda():
     from molmobot_policy.runtime.config import EngineConfig
     with pytest.raises(ValueError, match='llm_attention=flash needs a CUDA device'):
         EngineConfig(model='tiny', llm_attention='flash')
+
+
+def test_auto_falls_back_with_a_warning_when_the_kernel_fails_its_self_check(monkeypatch,
+                                                                             caplog):
+    """A capable GPU whose kernel computes wrongly: auto serves the additive mask and warns;
+    flash refuses to serve, naming the failure."""
+    import logging
+    from types import SimpleNamespace
+    from molmobot_policy.runtime.serving import llm_attention_choice
+    failure = 'the kernel failed its self-check: relative error 1.00e-01 > 2e-02'
+    monkeypatch.setattr(fa, 'unavailable_reason', lambda *args: '')
+    monkeypatch.setattr(fa, 'self_check', lambda *args: failure)
+    model = random_model(TINY, seed=0)
+    with caplog.at_level(logging.INFO, logger='molmobot_policy.engine'):
+        auto = SimpleNamespace(llm_attention='auto')    # EngineConfig refuses flash on a CPU
+        assert llm_attention_choice(auto, model) == ('masked', failure)
+    assert [r.levelno for r in caplog.records if failure in r.getMessage()] == [logging.WARNING]
+    with pytest.raises(ValueError, match='relative error'):
+        llm_attention_choice(SimpleNamespace(llm_attention='flash'), model)

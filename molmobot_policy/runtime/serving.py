@@ -242,14 +242,19 @@ def llm_attention_choice(config, model) -> tuple[str, str]:
     from molmobot_policy.runtime import flash_attention
     param = next(model.parameters())
     reason = flash_attention.unavailable_reason(model.config, param.device, param.dtype)
+    # a kernel that loads on a capable GPU but computes wrongly is news (WARN); a missing
+    # package or another GPU is a set-up (INFO)
+    failed_check = False
     if not reason:
         reason = flash_attention.self_check(model.config, param.device, param.dtype)
+        failed_check = bool(reason)
     if not reason:
         return 'flash', ''
     if config.llm_attention == 'flash':
         raise ValueError(f'llm_attention=flash cannot serve: {reason}')
-    log.info('FlashAttention-4 not used for the LLM: %s (SDPA with the additive mask '
-             'instead)', reason)
+    (log.warning if failed_check else log.info)(
+        'FlashAttention-4 not used for the LLM: %s (SDPA with the additive mask instead)',
+        reason)
     return 'masked', reason
 
 
