@@ -239,3 +239,9 @@ def test_auto_falls_back_with_a_warning_when_the_kernel_fails_its_self_check(mon
     assert [r.levelno for r in caplog.records if failure in r.getMessage()] == [logging.WARNING]
     with pytest.raises(ValueError, match='relative error'):
         llm_attention_choice(SimpleNamespace(llm_attention='flash'), model)
+
+
+def test_flash_is_refused_in_float32_before_the_model_is_built():
+    from molmobot_policy.runtime.config import EngineConfig
+    with pytest.raises(ValueError, match="llm_attention=flash needs dtype 'bfloat16'"):
+        EngineConfig(model='tiny', device='cuda', dtype='float32', llm_attention='flash')

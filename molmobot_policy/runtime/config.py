@@ -136,6 +136,9 @@ class EngineConfig:
         if self.llm_attention == 'flash' and not self.device.startswith('cuda'):
             raise ValueError(f'llm_attention=flash needs a CUDA device, got '
                              f'device={self.device!r}')
+        if self.llm_attention == 'flash' and self.dtype == 'float32':
+            raise ValueError("llm_attention=flash needs dtype 'bfloat16' or 'float16', got "
+                             "'float32'")
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))

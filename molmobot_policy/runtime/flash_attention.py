@@ -38,7 +38,7 @@ log = logging.getLogger('molmobot_policy.engine')
 
 KIND_PAD, KIND_TEXT, KIND_IMAGE = 0, 1, 2
 TILE_M = TILE_N = 128        # the Hopper kernel's tile at head_dim 128 (FA4's sm90 config)
-INSTALL_HINT = 'pip install -r requirements/gpu.txt (flash-attn-4; a Hopper or Blackwell GPU)'
+INSTALL_HINT = 'pip install -r requirements/gpu.txt (flash-attn-4)'
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,7 +60,8 @@ def unavailable_reason(cfg, device: torch.device, dtype: torch.dtype) -> str:
         return f'needs a CUDA device, serving on {device}'
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
-        return (f'needs a Hopper or Blackwell GPU (compute capability 9.x / 10.x), '
+        return (f'needs a Hopper or data-centre Blackwell GPU (compute capability 9.x / '
+                f'10.x: H100, H200, B200), '
                 f'got {major}.{minor}')
     if dtype not in (torch.bfloat16, torch.float16):
         return f'needs bfloat16 or float16 parameters, got {dtype}'
