@@ -194,3 +194,25 @@ def test_the_demo_writes_no_pictures_without_a_chunk_and_keeps_the_earlier_ones(
     assert 'demo: no pictures (no chunk was received)' in out, out
     assert earlier.read_bytes() == b'the last run'
     assert sorted(p.name for p in folder.iterdir()) == ['latency_timeline.png']
+
+
+def test_the_demo_summary_names_each_diagnostics_level():
+    """Each status not OK at the end is listed with its level (WARN / ERROR), OK ones not."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('demo_summary_test', context=context)
+    try:
+        monitor = demo.Monitor(node, [])
+        statuses = [DiagnosticStatus(level=level, name=name, message=message)
+                    for level, name, message in ((DiagnosticStatus.WARN, 'inference', 'slow'),
+                                                 (DiagnosticStatus.ERROR, 'output', 'none'),
+                                                 (DiagnosticStatus.OK, 'schedule', 'ok'))]
+        monitor._on_diagnostics(DiagnosticArray(status=statuses))
+        lines = monitor.summary().splitlines()
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+    assert 'demo:   inference (WARN): slow' in lines, lines
+    assert 'demo:   output (ERROR): none' in lines, lines
+    assert not any('schedule' in line for line in lines if line.startswith('demo:   ')), lines

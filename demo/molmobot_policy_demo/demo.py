@@ -254,7 +254,9 @@ class Monitor:
                          '(inference is WARN because the demo serves random weights; on a '
                          'small, busy CPU the tiny model can also exceed the latency and '
                          'jitter thresholds of config/policy_tiny.yaml)' if not_ok else 'none')]
-            lines += [f'  {name}: {self.diagnostics_messages.get(name, "")}' for name in not_ok]
+            names = {1: 'WARN', 2: 'ERROR', 3: 'STALE'}     # diagnostic_msgs/DiagnosticStatus
+            lines += [f'  {name} ({names.get(self.diagnostics_levels[name], "level ?")}): '
+                      f'{self.diagnostics_messages.get(name, "")}' for name in not_ok]
         return '\n'.join('demo: ' + line for line in lines)
 
     def last_frames(self) -> list:
