@@ -1,7 +1,8 @@
 """The tile-classified masked attention's host side (runtime/flash_attention.py) on the CPU:
 the per-token kinds give the model's own mask (`MolmoBot.attention_allowed`), and attention
 computed the way the kernel visits tiles (full tiles unmasked, partial tiles with the rule,
-the others skipped) equals attention under the mask. The kernel itself: test_flash_attention_gpu.py."""
+the others skipped) equals attention under the mask. The kernel itself:
+test_flash_attention_gpu.py."""
 from __future__ import annotations
 
 import math

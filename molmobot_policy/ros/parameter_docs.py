@@ -73,7 +73,8 @@ def _cell(text: str) -> str:
 
 
 def _when(name: str, descriptor: ParameterDescriptor) -> str:
-    """The *run time* column: yes / unconfigured / no (`parameters.settable_when`)."""
+    """The *run time* column: yes / unconfigured / no (`parameters.START_ONLY`, read_only;
+    the node refuses the read_only ones while configured: `PolicyNode._not_settable`)."""
     return 'no' if name in START_ONLY else 'unconfigured' if descriptor.read_only else 'yes'
 
 

@@ -206,8 +206,7 @@ PARAMETERS = {
         "the LLM's masked attention: FlashAttention-4's kernel with the mask as a rule per "
         'score and its tiles classified per query (CUDA compute capability 9.x / 10.x: H100, '
         'H200, B200; bfloat16 or float16; the flash-attn-4 package; checked against float32 '
-        'at start-up), or the '
-        'additive (L, L) mask through SDPA', _S,
+        'at start-up), or the additive (L, L) mask through SDPA', _S,
         constraints="'auto' (FlashAttention-4 where it can serve, else the additive mask, "
                     "logged), 'flash' (required: configure fails where it cannot serve), "
                     "'masked'")),

@@ -28,13 +28,10 @@ engine, whether this path serves.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger('molmobot_policy.engine')
 
 KIND_PAD, KIND_TEXT, KIND_IMAGE = 0, 1, 2
 TILE_M = TILE_N = 128        # the Hopper kernel's tile at head_dim 128 (FA4's sm90 config)

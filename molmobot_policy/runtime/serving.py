@@ -308,9 +308,9 @@ class ServedModel:
 def prepare_for_serving(model, config, flow_steps: int) -> ServedModel:
     """Applies every serving change (module docstring) to `model` in place, as `config`
     (`EngineConfig`: vit_fp32_attention, quantize, fused_action_expert, llm_attention,
-    kv_cache, compile, cuda_graphs) asks; the model must already be on its serving device and dtype. Idempotent
-    for the model's modules, so engines may share one model (each gets its own conditioning
-    and fused-kernel tables for its `flow_steps`).
+    kv_cache, compile, cuda_graphs) asks; the model must already be on its serving device
+    and dtype. Idempotent for the model's modules, so engines may share one model (each gets
+    its own conditioning and fused-kernel tables for its `flow_steps`).
 
     Raises:
         ValueError: fused_action_expert or llm_attention requires a kernel that cannot
