@@ -89,7 +89,10 @@ def main() -> int:
     ap.add_argument('--calls', type=int, default=36)
     ap.add_argument('--replays', type=int, default=60)
     ap.add_argument('--out', default='')
+    ap.add_argument('--rules-only', action='store_true',
+                    help="time only the op and the 'FA4 tile classes, ...' rows (mask rules)")
     args = ap.parse_args()
+    full = not args.rules_only
     dev = torch.device('cuda')
     torch.manual_seed(0)
     L = args.length
@@ -139,15 +142,16 @@ def main() -> int:
             rows.append([name, 'error', '', f'{type(e).__name__}: {str(e)[:80]}'])
         print(rows[-1], flush=True)
 
-    record('served: SDPA + additive mask',
-           lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias,
-                                                  enable_gqa=True).transpose(1, 2))
-    record('SDPA, no mask (bound)',
-           lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).transpose(1, 2),
-           exact=False)
-    record('SDPA, causal',
-           lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                  enable_gqa=True).transpose(1, 2), exact=False)
+    if full:
+        record('served: SDPA + additive mask',
+               lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias,
+                                                      enable_gqa=True).transpose(1, 2))
+        record('SDPA, no mask (bound)',
+               lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).transpose(1, 2),
+               exact=False)
+        record('SDPA, causal',
+               lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                      enable_gqa=True).transpose(1, 2), exact=False)
 
     from molmobot_policy.runtime import flash_attention as FA
     reason = FA.unavailable_reason(_Cfg(), dev, torch.bfloat16)
@@ -157,32 +161,36 @@ def main() -> int:
     else:
         from flash_attn.cute.interface import _flash_attn_fwd
         kinds = kind_orig[None].contiguous()
+        limits = FA.key_limits(kinds)
 
         def fa(qq, kk_, vv, **kw):
             return _flash_attn_fwd(qq, kk_, vv, softmax_scale=scale, **kw)[0]
 
-        t0 = time.perf_counter()
-        record('FA4 dense (bound)', lambda: fa(q, k, v), exact=False)
-        results['first_compile_s'] = time.perf_counter() - t0
-        record('FA4 causal', lambda: fa(q, k, v, causal=True), exact=False)
-        record('FA4 mask_mod, every tile masked',
-               lambda: fa(q, k, v, mask_mod=FA.image_tokens_mask(), aux_tensors=[kinds]))
+        if full:
+            t0 = time.perf_counter()
+            record('FA4 dense (bound)', lambda: fa(q, k, v), exact=False)
+            results['first_compile_s'] = time.perf_counter() - t0
+            record('FA4 causal', lambda: fa(q, k, v, causal=True), exact=False)
+            record('FA4 mask_mod, every tile masked',
+                   lambda: fa(q, k, v, mask_mod=FA.image_tokens_mask(), aux_tensors=[limits]))
         t = FA.tile_classes(kinds)
         results['tiles_served_order'] = dict(partial=int(t.partial_count.sum()),
                                              full=int(t.full_count.sum()),
                                              total=t.partial_index.shape[-1] ** 2)
         t0 = time.perf_counter()
         record('FA4 mask_mod + tile classes (the op)',
-               lambda: FA.image_tokens_attention(q, k, v, kinds, t.partial_count, t.partial_index,
-                                                 t.full_count, t.full_index, scale))
+               lambda: FA.image_tokens_attention(q, k, v, limits, t.partial_count,
+                                                 t.partial_index, t.full_count, t.full_index,
+                                                 scale))
         results['op_first_s'] = time.perf_counter() - t0
-        mask = FA.ImageTokensMask(kinds, t)
-        record('ImageTokensMask (B,H,L,D) in: transposes + op', lambda: mask(qh, kh, vh))
-        record('tile_classes alone (once per query)', lambda: FA.tile_classes(kinds).full_index,
-               exact=False)
-        self_check = FA.self_check(_Cfg(), dev, torch.bfloat16)
-        results['self_check'] = self_check or 'passed'
-        print('self_check:', self_check or 'passed')
+        if full:
+            mask = FA.ImageTokensMask(kinds, t)
+            record('ImageTokensMask (B,H,L,D) in: transposes + op', lambda: mask(qh, kh, vh))
+            record('tile_classes alone (once per query)', lambda: FA.tile_classes(kinds).full_index,
+                   exact=False)
+            self_check = FA.self_check(_Cfg(), dev, torch.bfloat16)
+            results['self_check'] = self_check or 'passed'
+            print('self_check:', self_check or 'passed')
 
         # what the tile lists cost by themselves: every visited tile listed as full (no mask
         # work: the wrong result)
@@ -195,7 +203,7 @@ def main() -> int:
                         t.partial_index, nm)], -1), -1).values[..., :nm].to(torch.int32)
         zero = torch.zeros_like(t.partial_count)
         record('FA4 tile lists, every visited tile full (no mask work)',
-               lambda: FA.image_tokens_attention(q, k, v, kinds, zero, t.partial_index,
+               lambda: FA.image_tokens_attention(q, k, v, limits, zero, t.partial_index,
                                                  all_full_count, merged.contiguous(),
                                                  scale), exact=False)
 
@@ -243,16 +251,58 @@ def main() -> int:
                 return (kv_idx <= q_idx) | (q_image & k_image)
             return rule
 
+        # Variants of the op's rule (`FA.key_limits`, `FA.rule`): the query's kind as a second
+        # tensor, and one table [image queries' limits | other queries' limits (the index)] read
+        # at the row's offset (0 for an image query, L for any other): one load, no select.
+        index = torch.arange(L, dtype=torch.int32, device=dev)[None]
+        table = torch.cat([limits, index], -1).contiguous()
+        row_offset = torch.where(kinds == FA.KIND_IMAGE, 0, L).to(torch.int32).contiguous()
+
+        @cute.jit
+        def key_limit_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            kinds_, limits_ = aux_tensors[0], aux_tensors[1]
+            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
+            limit = utils.scalar_to_ssa(limits_[batch[0], kv_idx[0]], cutlass.Int32)
+            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
+            return cute.where(query == image, limit, kv_idx) <= q_idx
+
+        @cute.jit
+        def kinds_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            # the mask's own form on the kinds, padding check included (served until 2026-12-07)
+            kinds_ = aux_tensors[0]
+            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
+            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
+            pad = utils.scalar_to_ssa(FA.KIND_PAD, cutlass.Int32)
+            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
+            return ((kv_idx <= q_idx) & (key != pad)) | ((query == image) & (key == image))
+
+        @cute.jit
+        def row_offset_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            offsets, table_ = aux_tensors[0], aux_tensors[1]
+            offset = utils.scalar_to_ssa(offsets[batch[0], q_idx[0]], cutlass.Int32)
+            limit = utils.scalar_to_ssa(table_[batch[0], (offset + kv_idx)[0]], cutlass.Int32)
+            return limit <= q_idx
+
         label, per_image = 3, 198                      # served_layout's defaults
         periodic = periodic_image_rule(1 + label, label + per_image, per_image, 8)
-        for name, rule, exact in (
-                ('the rule without the padding check', rule_without_padding, True),
-                ('image runs as index arithmetic (no loads)', periodic, True),
-                ('one load (the key kind) per score', key_kind_only, False),
-                ('no load (the index compare)', index_compare_only, False)):
+        for name, rule, aux, exact in (
+                ('the key limit per score, the query kind per row', key_limit_rule,
+                 [kinds, limits], True),
+                ("the mask's own form on the kinds (padding check)", kinds_rule, [kinds], True),
+                ('one table load per score at the row offset', row_offset_rule,
+                 [row_offset, table], True),
+                ('the rule without the padding check', rule_without_padding, [kinds], True),
+                ('image runs as index arithmetic (no loads)', periodic, [kinds], True),
+                ('one load (the key kind) per score', key_kind_only, [kinds], False),
+                ('no load (the index compare)', index_compare_only, [kinds], False)):
             record(f'FA4 tile classes, {name}',
-                   lambda rule=rule: fa(q, k, v, mask_mod=rule, aux_tensors=[kinds],
-                                        block_sparse_tensors=tiles), exact=exact)
+                   lambda rule=rule, aux=aux: fa(q, k, v, mask_mod=rule, aux_tensors=aux,
+                                                 block_sparse_tensors=tiles), exact=exact)
+        # the op again: the first and last rows bracket the variants (clock drift)
+        record('FA4 mask_mod + tile classes (the op), again',
+               lambda: FA.image_tokens_attention(q, k, v, limits, t.partial_count,
+                                                 t.partial_index, t.full_count, t.full_index,
+                                                 scale))
 
     print_table(['attention', 'us per layer', 'x 36 ms', 'rel. err vs fp32'], rows)
     for key in sorted(k for k in results if k.startswith(('tiles', 'self', 'unavail'))):

@@ -38,6 +38,22 @@ LAYOUTS = {
 }
 
 
+def random_layout(seed: int) -> torch.Tensor:
+    """kinds int32 (1, L), L in 130..699: random image runs and text gaps, padding or not."""
+    g = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(130, 700, (1,), generator=g))
+    kinds = torch.full((1, length), fa.KIND_TEXT, dtype=torch.int32)
+    at = int(torch.randint(0, 40, (1,), generator=g))
+    while at < length:
+        run = int(torch.randint(1, 260, (1,), generator=g))
+        kinds[0, at:at + run] = fa.KIND_IMAGE
+        at += run + int(torch.randint(0, 12, (1,), generator=g))
+    real = length - int(torch.randint(0, 3, (1,), generator=g)) * int(
+        torch.randint(0, 60, (1,), generator=g))
+    kinds[0, real:] = fa.KIND_PAD
+    return kinds
+
+
 def tiled_attention(q, k, v, kinds, tiles, scale, tile_m=fa.TILE_M, tile_n=fa.TILE_N):
     """float32 attention (B, L, H, D) as the kernel visits tiles: for each query tile, the
     listed full tiles with no mask, the listed partial tiles with the rule, nothing else."""
@@ -111,17 +127,7 @@ def listed_set(count, index):
 
 @pytest.mark.parametrize('seed', range(40))
 def test_tile_classes_equal_the_classes_of_the_full_mask(seed):
-    g = torch.Generator().manual_seed(seed)
-    length = int(torch.randint(130, 700, (1,), generator=g))
-    kinds = torch.full((1, length), fa.KIND_TEXT, dtype=torch.int32)
-    at = int(torch.randint(0, 40, (1,), generator=g))
-    while at < length:      # random image runs and text gaps, then padding or not
-        run = int(torch.randint(1, 260, (1,), generator=g))
-        kinds[0, at:at + run] = fa.KIND_IMAGE
-        at += run + int(torch.randint(0, 12, (1,), generator=g))
-    real = length - int(torch.randint(0, 3, (1,), generator=g)) * int(
-        torch.randint(0, 60, (1,), generator=g))
-    kinds[0, real:] = fa.KIND_PAD
+    kinds = random_layout(seed)
     tiles = fa.tile_classes(kinds)
     full, visited = brute_force_classes(kinds)
     partial = visited & ~full
@@ -149,10 +155,32 @@ def test_the_tile_holding_the_sequence_end_is_never_full():
         assert last not in full
 
 
+@pytest.mark.parametrize('name', list(LAYOUTS) + [f'random {seed}' for seed in range(20)])
+def test_the_kernels_rule_on_limits_is_the_mask_on_every_real_query(name):
+    kinds = LAYOUTS[name] if name in LAYOUTS else random_layout(int(name.split()[1]))
+    real = kinds[0] != fa.KIND_PAD
+    got = fa.rule(fa.key_limits(kinds))[0][real]
+    assert torch.equal(got, fa.visible(kinds)[0][real])
+
+
+def test_the_rule_sees_image_keys_ahead_only_from_image_queries():
+    # BOS, image x 3, text, image, padding: the rule's cases one by one
+    kinds = torch.tensor([[fa.KIND_TEXT] + [fa.KIND_IMAGE] * 3 + [fa.KIND_TEXT, fa.KIND_IMAGE,
+                                                                   fa.KIND_PAD]],
+                         dtype=torch.int32)
+    seen = fa.rule(fa.key_limits(kinds))[0]
+    assert seen[1, 5] and seen[3, 2]          # image -> a later image key, across text
+    assert not seen[0, 1] and not seen[4, 5]  # text -> a later image key
+    assert not seen[1, 4] and seen[4, 1]      # image -> a later text key; text -> earlier image
+    assert not seen[:6, 6].any()              # the padded key, from every real query
+
+
 @pytest.mark.parametrize('name', list(LAYOUTS))
-def test_the_ops_cpu_schedule_keeps_exactly_the_rules_scores(name):
+def test_the_ops_cpu_schedule_keeps_exactly_the_masks_scores(name):
     kinds = LAYOUTS[name]
-    assert torch.equal(fa.visited(kinds, fa.tile_classes(kinds)), fa.visible(kinds))
+    real = kinds[0] != fa.KIND_PAD
+    kept = fa.visited(fa.key_limits(kinds), fa.tile_classes(kinds))
+    assert torch.equal(kept[0][real], fa.visible(kinds)[0][real])
 
 
 def test_a_wrong_tile_class_changes_the_ops_result():
@@ -161,7 +189,8 @@ def test_a_wrong_tile_class_changes_the_ops_result():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 300, h, 16, generator=g) for h in (4, 2, 2))
     args = (tiles.partial_count, tiles.partial_index, tiles.full_count, tiles.full_index, 0.25)
-    right = fa.image_tokens_attention(q, k, v, kinds, *args)
+    limits = fa.key_limits(kinds)
+    right = fa.image_tokens_attention(q, k, v, limits, *args)
     # query tile 0: its partial tiles listed as full instead
     wrong_full_count = tiles.full_count.clone()
     wrong_full_index = tiles.full_index.clone()
@@ -169,7 +198,7 @@ def test_a_wrong_tile_class_changes_the_ops_result():
     wrong_full_index[0, 0, 0, :n] = tiles.partial_index[0, 0, 0, :n]
     wrong_full_count[0, 0, 0] = n
     zero = torch.zeros_like(tiles.partial_count)
-    wrong = fa.image_tokens_attention(q, k, v, kinds, zero, tiles.partial_index,
+    wrong = fa.image_tokens_attention(q, k, v, limits, zero, tiles.partial_index,
                                       wrong_full_count, wrong_full_index, 0.25)
     assert not torch.allclose(right[:, :128], wrong[:, :128], atol=1e-3)
     torch.testing.assert_close(right, fa.reference(q, k, v, kinds, 0.25), rtol=1e-5, atol=1e-5)

@@ -39,8 +39,9 @@ def eight_camera_kinds(length: int, real: int) -> torch.Tensor:
 
 def run_op(q, k, v, kinds):
     t = fa.tile_classes(kinds)
-    return fa.image_tokens_attention(q, k, v, kinds, t.partial_count, t.partial_index,
-                                     t.full_count, t.full_index, 1.0 / math.sqrt(q.shape[-1]))
+    return fa.image_tokens_attention(q, k, v, fa.key_limits(kinds), t.partial_count,
+                                     t.partial_index, t.full_count, t.full_index,
+                                     1.0 / math.sqrt(q.shape[-1]))
 
 
 @pytest.mark.parametrize('length,real', [(1664, 1654), (1856, 1700)])

@@ -13,11 +13,19 @@ kernel does no mask work there), which are partial (the rule per score) and, by 
 which are empty (skipped). This module gives it both:
 
 - per-token kinds, int32 (B, L): `KIND_IMAGE` for an image special token, `KIND_TEXT` for any
-  other real token, `KIND_PAD` for padding (`token_kinds`). The rule (`image_tokens_mask`, and
-  `visible` in torch) is: kind[j] != PAD and (j <= i or kind[i] == kind[j] == IMAGE);
+  other real token, `KIND_PAD` for padding (`token_kinds`). The mask (`visible`) is:
+  kind[j] != PAD and (j <= i or kind[i] == kind[j] == IMAGE);
 - the tile classes (`tile_classes`), computed from the kinds on the device with a few small
   torch operations once per query (inside the engine's CUDA graph; no host sync). In the
-  8-camera layout nearly every tile is full: the image tokens are ~95 % of the prompt.
+  8-camera layout nearly every tile is full: the image tokens are ~95 % of the prompt;
+- for the partial tiles, the rule the kernel evaluates per score (`image_tokens_mask`), on
+  per-token *limits* (`key_limits`): -1 for an image token, its own index for any other.
+  Key j is visible to query i iff (limit[j] if limit[i] < 0 else j) <= i. On every real query
+  row this is the mask (a padded key's limit is its index, beyond every real query; an image
+  query sees image keys whatever their index, and other keys causally); padded query rows
+  differ (they see earlier keys; nothing reads them). It costs one select and one compare per
+  score where the mask's own form costs two kind compares and the padding check
+  (docs/decisions/llm-masked-attention.md has the timings).
 
 The attention is one custom op (`molmobot::image_tokens_attention`): Inductor treats it as
 one opaque kernel call inside the compiled LLM blocks and CUDA graphs capture it. Its kernels
@@ -82,6 +90,22 @@ def token_kinds(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     if attention_mask is not None:
         kinds = torch.where(attention_mask, kinds, KIND_PAD)
     return kinds.to(torch.int32)
+
+
+def key_limits(kinds: torch.Tensor) -> torch.Tensor:
+    """int32 (B, L): -1 for an image token, the token's index otherwise (text or padding):
+    the per-token tensor the kernel's rule reads (module docstring), from kinds int32 (B, L)."""
+    index = torch.arange(kinds.shape[1], dtype=torch.int32, device=kinds.device)
+    return torch.where(kinds == KIND_IMAGE, -1, index).to(torch.int32).contiguous()
+
+
+def rule(limits: torch.Tensor) -> torch.Tensor:
+    """bool (B, L, L) [query, key]: the kernel's per-score rule (`image_tokens_mask`) on
+    limits int32 (B, L) (`key_limits`); equals `visible` on the real query rows."""
+    index = torch.arange(limits.shape[1], device=limits.device)
+    image_query = (limits < 0)[:, :, None]
+    bound = torch.where(image_query, limits[:, None, :], index[None, None, :])
+    return bound <= index[None, :, None]
 
 
 def visible(kinds: torch.Tensor) -> torch.Tensor:
@@ -175,65 +199,67 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kinds: torch.Te
 
 @functools.lru_cache(maxsize=1)
 def image_tokens_mask():
-    """The rule as a CuTe DSL `mask_mod` (FA4's signature: batch, head, query index, key
-    index, sequence info, aux tensors -> visible), aux_tensors[0] = kinds int32 (B, L)."""
+    """The rule (`rule`) as a CuTe DSL `mask_mod` (FA4's signature: batch, head, query index,
+    key index, sequence info, aux tensors -> visible), aux_tensors[0] = limits int32 (B, L)
+    (`key_limits`)."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute import utils
 
     @cute.jit
     def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        kinds = aux_tensors[0]
-        query_kind = utils.scalar_to_ssa(kinds[batch[0], q_idx[0]], cutlass.Int32)
-        key_kind = utils.scalar_to_ssa(kinds[batch[0], kv_idx[0]], cutlass.Int32)
-        pad = utils.scalar_to_ssa(KIND_PAD, cutlass.Int32)
-        image = utils.scalar_to_ssa(KIND_IMAGE, cutlass.Int32)
-        both_image = (query_kind == image) & (key_kind == image)
-        return ((kv_idx <= q_idx) & (key_kind != pad)) | both_image
+        limits = aux_tensors[0]
+        query = utils.scalar_to_ssa(limits[batch[0], q_idx[0]], cutlass.Int32)
+        key = utils.scalar_to_ssa(limits[batch[0], kv_idx[0]], cutlass.Int32)
+        zero = utils.scalar_to_ssa(0, cutlass.Int32)
+        return cute.where(query < zero, key, kv_idx) <= q_idx
 
     return mask_mod
 
 
 @torch.library.custom_op('molmobot::image_tokens_attention', mutates_args=())
 def image_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           kinds: torch.Tensor, partial_count: torch.Tensor,
+                           limits: torch.Tensor, partial_count: torch.Tensor,
                            partial_index: torch.Tensor, full_count: torch.Tensor,
                            full_index: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention under the rule: q (B, L, Hq, D), k / v (B, L, Hkv, D) in bf16 / fp16 on a
-    Hopper / Blackwell GPU -> (B, L, Hq, D) contiguous, q's dtype. kinds and the tile classes
-    as `token_kinds` / `tile_classes` give them; scale: the softmax scale (1 / sqrt(D))."""
+    Hopper / Blackwell GPU -> (B, L, Hq, D) contiguous, q's dtype; within bf16 rounding of the
+    mask on the real query rows. limits int32 (B, L) as `key_limits` gives them, the tile
+    classes as `tile_classes` (both of the same kinds); scale: the softmax scale
+    (1 / sqrt(D))."""
     flash_attn_func, sparse_tensors = _flash()
     tiles = sparse_tensors(mask_block_cnt=partial_count, mask_block_idx=partial_index,
                            full_block_cnt=full_count, full_block_idx=full_index,
                            block_size=(TILE_M, TILE_N))
     out = flash_attn_func(q, k, v, softmax_scale=scale, mask_mod=image_tokens_mask(),
-                          aux_tensors=[kinds], block_sparse_tensors=tiles)
+                          aux_tensors=[limits], block_sparse_tensors=tiles)
     return out[0] if isinstance(out, tuple) else out
 
 
 @image_tokens_attention.register_fake
-def _(q, k, v, kinds, partial_count, partial_index, full_count, full_index, scale):
+def _(q, k, v, limits, partial_count, partial_index, full_count, full_index, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @image_tokens_attention.register_kernel('cpu')
-def _(q, k, v, kinds, partial_count, partial_index, full_count, full_index, scale):
+def _(q, k, v, limits, partial_count, partial_index, full_count, full_index, scale):
     # The kernel's schedule in float32 (CPU CI, the golden tests): each query tile attends to
     # its listed full tiles with no mask and its listed partial tiles under the rule, nothing
-    # else; a wrong tile class shows as a wrong result.
+    # else; a wrong tile class or a wrong rule shows as a wrong result.
     tiles = TileClasses(partial_count, partial_index, full_count, full_index)
-    allowed = visited(kinds, tiles)
+    allowed = visited(limits, tiles)
     return _masked_attention(q, k, v, allowed, scale).to(q.dtype).contiguous()
 
 
-def visited(kinds: torch.Tensor, tiles: TileClasses) -> torch.Tensor:
+def visited(limits: torch.Tensor, tiles: TileClasses) -> torch.Tensor:
     """bool (B, L, L) [query, key]: the scores the kernel keeps, as `tiles` direct it (full
-    tiles whole, partial tiles under the rule, others not at all); equals `visible` for the
-    classes `tile_classes` gives."""
-    b, length = kinds.shape
+    tiles whole, partial tiles under `rule`, others not at all), limits int32 (B, L)
+    (`key_limits`); equals `visible` on the real query rows for the classes `tile_classes`
+    gives."""
+    b, length = limits.shape
     nm, nn = tiles.partial_index.shape[-2:]
-    classes = torch.zeros(b, nm, nn + 1, dtype=torch.int8, device=kinds.device)
-    column = torch.arange(nn, device=kinds.device)
+    classes = torch.zeros(b, nm, nn + 1, dtype=torch.int8, device=limits.device)
+    column = torch.arange(nn, device=limits.device)
     for value, count, index in ((1, tiles.partial_count, tiles.partial_index),
                                 (2, tiles.full_count, tiles.full_index)):
         listed = column < count[:, 0, :, None]                 # (B, nm, nn)
@@ -242,7 +268,7 @@ def visited(kinds: torch.Tensor, tiles: TileClasses) -> torch.Tensor:
         classes.scatter_(2, target, torch.full_like(target, value, dtype=torch.int8))
     classes = classes[:, :, :nn]
     grid = classes.repeat_interleave(TILE_M, 1).repeat_interleave(TILE_N, 2)[:, :length, :length]
-    return (grid == 2) | ((grid == 1) & visible(kinds))
+    return (grid == 2) | ((grid == 1) & rule(limits))
 
 
 def _masked_attention(q, k, v, allowed, scale):
@@ -261,9 +287,9 @@ class ImageTokensMask:
     """The served LLM mask (module docstring), called as mask(q (B, Hq, L, D), k, v
     (B, Hkv, L, D)) -> (B, L, Hq, D) in q's dtype (`OLMoSequentialBlock.attention`).
 
-    kinds: int32 (B, L) (`token_kinds`); tiles: their `TileClasses`."""
+    limits: int32 (B, L) (`key_limits`); tiles: the `TileClasses` of the same kinds."""
 
-    kinds: torch.Tensor
+    limits: torch.Tensor
     tiles: TileClasses
 
     @staticmethod
@@ -271,14 +297,14 @@ class ImageTokensMask:
               image_ids: torch.Tensor | None) -> ImageTokensMask:
         """Once per query, outside the LLM blocks (arguments as `token_kinds`)."""
         kinds = token_kinds(input_ids, attention_mask, image_ids)
-        return ImageTokensMask(kinds, tile_classes(kinds))
+        return ImageTokensMask(key_limits(kinds), tile_classes(kinds))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = self.tiles
         # (B, H, L, D) -> (B, L, H, D): inside a compiled block the rotary embedding's kernel
         # writes this layout directly
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-        return image_tokens_attention(q, k, v, self.kinds, t.partial_count, t.partial_index,
+        return image_tokens_attention(q, k, v, self.limits, t.partial_count, t.partial_index,
                                       t.full_count, t.full_index, 1.0 / math.sqrt(q.shape[-1]))
 
 
@@ -300,7 +326,7 @@ def self_check(cfg, device: torch.device, dtype: torch.dtype, tolerance: float =
     scale = 1.0 / math.sqrt(head_dim)
     try:
         t = tile_classes(kinds)
-        out = image_tokens_attention(q, k, v, kinds, t.partial_count, t.partial_index,
+        out = image_tokens_attention(q, k, v, key_limits(kinds), t.partial_count, t.partial_index,
                                      t.full_count, t.full_index, scale)
         torch.cuda.synchronize(device)
     except Exception as error:     # noqa: BLE001 - a failed kernel is a reason to fall back
