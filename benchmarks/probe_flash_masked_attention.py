@@ -32,7 +32,9 @@ IMAGE, OTHER, PAD = 2, 1, 0
 def served_layout(length: int, cameras: int = 8, label: int = 3, per_image: int = 198,
                   chat: int = 45) -> torch.Tensor:
     """Token kinds int32 (L,) of one padded prompt: BOS, per camera `label` text tokens then
-    `per_image` image tokens (im_start, 196 patches, im_end), the chat turn, padding."""
+    `per_image` image tokens (im_start, 196 patches, im_end), the chat turn, padding. Fixed
+    so that runs compare (the served prompt's labels are 2 tokens and its chat turn ~20:
+    test/_prompt_layouts.py builds that one from the product's prompt builder)."""
     kinds = [OTHER]
     for _ in range(cameras):
         kinds += [OTHER] * label + [IMAGE] * per_image

@@ -6,6 +6,8 @@ test_flash_attention_gpu.py."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ import torch
 from molmobot_policy.model.checkpoint import random_model
 from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.runtime import flash_attention as fa
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _prompt_layouts import served_kinds  # noqa: E402  (test/_prompt_layouts.py)
 
 TINY = MolmoBotConfig.from_name('tiny')
 
@@ -27,12 +32,8 @@ def layout(length: int, runs: list[tuple[int, int]], real: int) -> torch.Tensor:
 
 
 LAYOUTS = {
-    'eight cameras (1664, the default bucket)': layout(
-        1664, [(1 + 3 * (i + 1) + 198 * i, 1 + 3 * (i + 1) + 198 * (i + 1)) for i in range(8)],
-        1654),
-    'eight cameras, bucket not a tile multiple (1856)': layout(
-        1856, [(1 + 3 * (i + 1) + 198 * i, 1 + 3 * (i + 1) + 198 * (i + 1)) for i in range(8)],
-        1700),
+    'eight cameras (1664, the default bucket)': served_kinds(1664),
+    'eight cameras, bucket not a tile multiple (1856)': served_kinds(1856),
     'runs across tile edges, no padding (300)': layout(300, [(5, 140), (150, 257)], 300),
     'causal only (no image tokens, 200)': layout(200, [], 190),
 }

@@ -9,6 +9,8 @@ Skipped without a Hopper / Blackwell GPU and the flash-attn-4 package; run with 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +18,10 @@ import torch
 
 from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.runtime import flash_attention as fa
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _prompt_layouts import served_kinds  # noqa: E402  (test/_prompt_layouts.py)
+
 
 def _reason() -> str:
     if not torch.cuda.is_available():
@@ -27,16 +33,6 @@ def _reason() -> str:
 pytestmark = pytest.mark.skipif(bool(_reason()), reason=_reason() or 'runs')
 
 
-def eight_camera_kinds(length: int, real: int) -> torch.Tensor:
-    """int32 (1, length): BOS, 8 x (3 label tokens + 198 image tokens), text, padding."""
-    kinds = torch.full((1, length), fa.KIND_TEXT, dtype=torch.int32)
-    for i in range(8):
-        start = 1 + 3 * (i + 1) + 198 * i
-        kinds[0, start:start + 198] = fa.KIND_IMAGE
-    kinds[0, real:] = fa.KIND_PAD
-    return kinds.cuda()
-
-
 def run_op(q, k, v, kinds):
     t = fa.tile_classes(kinds)
     return fa.image_tokens_attention(q, k, v, fa.key_limits(kinds), t.partial_count,
@@ -44,9 +40,9 @@ def run_op(q, k, v, kinds):
                                      1.0 / math.sqrt(q.shape[-1]))
 
 
-@pytest.mark.parametrize('length,real', [(1664, 1654), (1856, 1700)])
-def test_kernel_matches_float32_masked_attention_at_the_served_shape(length, real):
-    kinds = eight_camera_kinds(length, real)
+@pytest.mark.parametrize('length', [1664, 1856])
+def test_kernel_matches_float32_masked_attention_at_the_served_shape(length):
+    kinds = served_kinds(length).cuda()
     g = torch.Generator(device='cuda').manual_seed(length)
     q, k, v = (torch.randn(1, length, h, 128, device='cuda', dtype=torch.bfloat16, generator=g)
                for h in (32, 8, 8))
@@ -59,7 +55,7 @@ def test_kernel_matches_float32_masked_attention_at_the_served_shape(length, rea
 
 
 def test_kernel_is_bitwise_stable_on_graph_replay():
-    kinds = eight_camera_kinds(1664, 1654)
+    kinds = served_kinds(1664).cuda()
     q, k, v = (torch.randn(1, 1664, h, 128, device='cuda', dtype=torch.bfloat16)
                for h in (32, 8, 8))
     run_op(q, k, v, kinds)        # compile outside the capture
