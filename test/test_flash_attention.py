@@ -176,6 +176,17 @@ def test_the_rule_sees_image_keys_ahead_only_from_image_queries():
     assert not seen[:6, 6].any()              # the padded key, from every real query
 
 
+def test_the_engine_pads_after_every_real_token_as_the_rule_needs():
+    # the rule on limits shows a padded key to a later real text query: the engine's prompts
+    # must be right-padded (the module docstring)
+    from molmobot_policy.runtime.engine import EngineConfig, PolicyEngine
+    engine = PolicyEngine(EngineConfig(model='tiny', buckets=(1664,)))
+    text = engine.text_inputs('pick up the red cube')
+    mask = torch.as_tensor(text.attention_mask)
+    assert 0 < text.length < mask.numel()
+    assert mask[:text.length].all() and not mask[text.length:].any()
+
+
 @pytest.mark.parametrize('name', list(LAYOUTS))
 def test_the_ops_cpu_schedule_keeps_exactly_the_masks_scores(name):
     kinds = LAYOUTS[name]

@@ -25,7 +25,9 @@ which are empty (skipped). This module gives it both:
   query sees image keys whatever their index, and other keys causally); padded query rows
   differ (they see earlier keys; nothing reads them). It costs one select and one compare per
   score where the mask's own form costs two kind compares and the padding check
-  (docs/decisions/llm-masked-attention.md has the timings).
+  (docs/decisions/llm-masked-attention.md has the timings). It needs the padding after every
+  real token (right padding), which is how the engine pads (`PromptFitter.pad`): a padded key
+  before a real text query would be visible to it.
 
 The attention is one custom op (`molmobot::image_tokens_attention`): Inductor treats it as
 one opaque kernel call inside the compiled LLM blocks and CUDA graphs capture it. Its kernels
@@ -94,7 +96,8 @@ def token_kinds(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
 
 def key_limits(kinds: torch.Tensor) -> torch.Tensor:
     """int32 (B, L): -1 for an image token, the token's index otherwise (text or padding):
-    the per-token tensor the kernel's rule reads (module docstring), from kinds int32 (B, L)."""
+    the per-token tensor the kernel's rule reads (module docstring), from kinds int32 (B, L)
+    of right-padded prompts."""
     index = torch.arange(kinds.shape[1], dtype=torch.int32, device=kinds.device)
     return torch.where(kinds == KIND_IMAGE, -1, index).to(torch.int32).contiguous()
 
@@ -295,7 +298,8 @@ class ImageTokensMask:
     @staticmethod
     def build(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               image_ids: torch.Tensor | None) -> ImageTokensMask:
-        """Once per query, outside the LLM blocks (arguments as `token_kinds`)."""
+        """Once per query, outside the LLM blocks (arguments as `token_kinds`; the padding
+        after every real token, as `PromptFitter.pad` gives it)."""
         kinds = token_kinds(input_ids, attention_mask, image_ids)
         return ImageTokensMask(key_limits(kinds), tile_classes(kinds))
 
