@@ -112,7 +112,8 @@ def rule(limits: torch.Tensor) -> torch.Tensor:
 
 
 def visible(kinds: torch.Tensor) -> torch.Tensor:
-    """bool (B, L, L) [query, key]: the rule of `image_tokens_mask` for kinds int32 (B, L)."""
+    """bool (B, L, L) [query, key]: the mask (`MolmoBot.attention_allowed`'s) for kinds int32
+    (B, L); the kernel's `rule` equals it on the real query rows."""
     index = torch.arange(kinds.shape[1], device=kinds.device)
     causal = index[None, None, :] <= index[None, :, None]
     image = kinds == KIND_IMAGE
