@@ -96,6 +96,66 @@ def test_joint_state_never_received_says_so_in_skip():
     assert 'lacks' not in str(skip) and '/joint_states' in skip.topics
 
 
+def test_joint_names_matching_nothing_say_what_the_messages_name():
+    # the day-one mistake: joint_names spelled unlike the driver's; messages do arrive
+    sync = _sync()
+    for topic in CAMERAS:
+        sync.add_image(topic, _image(1), 10.0, 10.0)
+    sync.add_joint_state(['joint_A', 'joint_B', 'finger_1'], [1.0, 2.0, 3.0], 10.0, 10.0)
+    skip = sync.build(now=10.0, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and 'no message yet' not in str(skip)
+    assert f'lacks joints {list(JOINTS)}' in str(skip)
+    assert "its latest message names ['joint_A', 'joint_B', 'finger_1']" in str(skip)
+    assert "did you mean 'joint_A' for 'joint_a'" in str(skip)
+
+
+def test_joints_gone_from_the_messages_are_stale_with_the_names_the_messages_carry():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for t in (10.5, 11.0, 11.5):       # the driver renamed its joints mid-run
+        sync.add_joint_state(['j1', 'j2', 'j3'], [0.0, 0.0, 0.0], t, t)
+        sync.add_image(CAMERAS[0], _image(1), t, t)
+        sync.add_image(CAMERAS[1], _image(1), t, t)
+    skip = sync.build(now=11.5, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and 'is stale for' in str(skip)
+    assert "its latest message names none of them (its latest message names ['j1', 'j2', " \
+        "'j3'])" in str(skip)
+
+
+def test_a_camera_whose_clock_went_back_is_told_from_a_stopped_one():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for t in (10.5, 11.0, 11.5):       # camera 1 keeps sending, stamped 30 s back
+        sync.add_image(CAMERAS[0], _image(1), t, t)
+        sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], t, t)
+        assert not sync.add_image(CAMERAS[1], _image(1), t - 30.0, t)
+    skip = sync.build(now=11.5, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and skip.topics == (CAMERAS[1],)
+    assert 'stale: age 1.500 s' in str(skip)
+    assert ('its frames keep arriving (the newest 0.000 s ago) stamped 28.500 s before the '
+            "one kept, so they are dropped: the driver's clock went back") in str(skip)
+    stopped = _sync()
+    _fill(stopped, stamp=10.0)
+    for t in (10.5, 11.0, 11.5):       # camera 1 silent: no such hint
+        stopped.add_image(CAMERAS[0], _image(1), t, t)
+        stopped.add_joint_state(JOINTS, [0.1, 0.2, 0.3], t, t)
+    assert 'clock went back' not in str(stopped.build(now=11.5, max_image_age=1.0,
+                                                      max_state_age=1.0))
+
+
+def test_a_joint_state_whose_clock_went_back_says_so_when_stale():
+    sync = _sync()
+    _fill(sync, stamp=10.0)
+    for t in (10.5, 11.0, 11.5):
+        for topic in CAMERAS:
+            sync.add_image(topic, _image(1), t, t)
+        sync.add_joint_state(JOINTS, [0.1, 0.2, 0.3], t - 30.0, t)
+    skip = sync.build(now=11.5, max_image_age=1.0, max_state_age=1.0)
+    assert isinstance(skip, Skip) and 'joint state /joint_states is stale for' in str(skip)
+    assert "its messages keep arriving (the newest 0.000 s ago) stamped 28.500 s before " \
+        "the one kept, so they are dropped: the driver's clock went back" in str(skip)
+
+
 def test_camera_without_any_image_is_named_in_skip():
     sync = _sync()
     sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
@@ -486,6 +546,16 @@ def test_a_camera_changing_its_layout_is_logged_once_per_interval(caplog):
     assert lines[1] == (f'camera {CAMERAS[0]}: frames changed layout 2 times since the last '
                         'such line and are mono8 2x3 again')
     assert 'from mono8 2x3 to rgb8 2x3' in lines[2]       # held back, told at the next frame
+
+
+def test_a_camera_shrinking_below_min_image_size_is_told_refused_not_resized(caplog):
+    sync = _sync(min_image_size=(2, 2))
+    with caplog.at_level('WARNING', logger='molmobot_policy.inputs'):
+        sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+        sync.add_image(CAMERAS[0], _image(1, height=1, width=1), 10.1, 10.1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to rgb8 1x1; frames smaller than '
+        'min_image_size 2x2 are refused']
 
 
 def test_a_second_layout_change_within_the_interval_is_told_when_it_ends(caplog):

@@ -13,6 +13,7 @@ Times are plain float seconds in ROS time (header stamps, and `now` from the nod
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import threading
@@ -122,6 +123,37 @@ def _layout_text(msg) -> str:
     return f'{msg.encoding} {msg.height}x{msg.width}'
 
 
+def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None) -> str:
+    """' (its latest message names [...]; did you mean ...?)' for joints `wanted` that a
+    joint-state message naming `seen` lacks; '' when no message was seen."""
+    if seen is None:
+        return ''
+    shown = list(seen[:12]) + (['...'] if len(seen) > 12 else [])
+
+    def plain(name: str) -> str:     # 'Jaco_Joint_1' ~ 'jaco_joint1': case and separators
+        return ''.join(c for c in name.lower() if c.isalnum())
+    by_plain = {plain(n): n for n in seen}
+    close = [(w, by_plain[m[0]]) for w in wanted
+             for m in [[plain(w)] if plain(w) in by_plain else
+                       difflib.get_close_matches(plain(w), list(by_plain), n=1, cutoff=0.6)]
+             if m]
+    guess = '; did you mean ' + ', '.join(f"'{m}' for '{w}'" for w, m in close) + \
+        ' (joint_names / action_joint_names)?' if close else ''
+    return f' (its latest message names {shown}{guess})'
+
+
+def _clock_went_back(dropped: tuple[float, float] | None, kept_stamp: float, now: float,
+                     max_age: float, what: str) -> str:
+    """'; its <what> keep arriving ... stamped N s before the one kept: ...' when an input's
+    messages still arrive (within `max_age` s of `now`) but are dropped for stamps older than
+    the one kept (`dropped`: the newest such (stamp, received), s), else ''."""
+    if dropped is None or now - dropped[1] > max_age:
+        return ''
+    return (f'; its {what} keep arriving (the newest {max(now - dropped[1], 0.0):.3f} s ago) '
+            f'stamped {kept_stamp - dropped[0]:.3f} s before the one kept, so they are '
+            "dropped: the driver's clock went back")
+
+
 class ObservationSynchronizer:
     """Keeps the newest camera frames and joint positions; builds observations on demand.
 
@@ -194,6 +226,10 @@ class ObservationSynchronizer:
         self._lock = threading.Lock()
         self._frames: dict[str, _Frame] = {}
         self._joints: dict[str, tuple[float, float]] = {}    # name -> (position, stamp)
+        self._joint_names_seen: tuple[str, ...] | None = None   # the latest message's names
+        # per input, the newest message dropped for a stamp older than the one kept:
+        # (its stamp, when it arrived), to tell a clock that went back from a stopped input
+        self._dropped_older: dict[str, tuple[float, float]] = {}
         self._receive_times = {t: deque(maxlen=rate_window)
                                for t in self.camera_topics + (joint_state_topic,)}
         self._counts = dict.fromkeys(self._receive_times, 0)
@@ -244,6 +280,7 @@ class ObservationSynchronizer:
                 return False
             current = self._frames.get(topic)
             if current is not None and stamp < current.stamp:
+                self._dropped_older[topic] = (float(stamp), float(received))
                 return False
             self._frames[topic] = _Frame(msg, float(stamp), float(received))
             change = self._layout_change(topic, msg, received)
@@ -273,6 +310,10 @@ class ObservationSynchronizer:
             return (f'camera {topic}: frames changed layout {count} times since the last such '
                     f'line and are {layout} again')
         more = f' ({count} changes since the last such line)' if count > 1 else ''
+        min_h, min_w = self.min_image_size
+        if getattr(msg, 'height', min_h) < min_h or getattr(msg, 'width', min_w) < min_w:
+            return (f'camera {topic}: frames changed from {told} to {layout}{more}; frames '
+                    f'smaller than min_image_size {min_h}x{min_w} are refused')
         return (f'camera {topic}: frames changed from {told} to {layout}{more}; the model '
                 'gets them resized to its input as they come: is the camera configured as '
                 'in training?')
@@ -320,11 +361,17 @@ class ObservationSynchronizer:
             # stored: the arm's state is unknown, the next build says which joints
             self._note_problem(self._problems, topic,
                                bad and f'non-finite positions for joints {bad}', received)
+            self._joint_names_seen = tuple(names)
+            older = False
             for name, position in zip(names, positions):
                 if name in self._kept_joints:
                     old = self._joints.get(name)
                     if old is None or stamp >= old[1]:
                         self._joints[name] = (float(position), float(stamp))
+                    else:
+                        older = True
+            if older:
+                self._dropped_older[topic] = (float(stamp), float(received))
 
     def stamp_problem(self, stamp: float, now: float) -> str:
         """Why a header stamp cannot be used at time `now` (s), or '' when it can.
@@ -448,6 +495,7 @@ class ObservationSynchronizer:
         with self._lock:
             self._frames.clear()
             self._joints.clear()
+            self._dropped_older.clear()
             self._last_stamps = {}
             self._problem_since.clear()      # times of the old timeline
             self._clean_since.clear()
@@ -487,6 +535,8 @@ class ObservationSynchronizer:
             joints = {n: self._joints.get(n) for n in self.joint_names}
             any_joint = bool(self._joints)
             refused = dict(self._refused)
+            names_seen = self._joint_names_seen
+            dropped_older = dict(self._dropped_older)
         reasons, topics, usable = [], [], {}
         for topic, frame in frames.items():
             why = f' ({refused[topic]})' if topic in refused else ''
@@ -501,6 +551,8 @@ class ObservationSynchronizer:
                             f'{max(now - frame.received, 0.0):.3f} s ago) with stamps that old: '
                             "the driver's latency or its clock"
                             if now - frame.received <= max_image_age and not why else '')
+                arriving = _clock_went_back(dropped_older.get(topic), frame.stamp, now,
+                                            max_image_age, 'frames') or arriving
                 reasons.append(f'camera {topic} is stale: age {now - frame.stamp:.3f} s > '
                                f'max_image_age {max_image_age:.3f} s{why}{arriving}')
                 topics.append(topic)
@@ -508,7 +560,8 @@ class ObservationSynchronizer:
                 usable[topic] = frame
         if usable:
             self._check_spread(usable, max_image_spread, now, reasons, topics)
-        self._check_joints(joints, any_joint, refused, now, max_state_age, reasons, topics)
+        self._check_joints(joints, any_joint, refused, now, max_state_age, reasons, topics,
+                           names_seen, dropped_older.get(self.joint_state_topic))
 
         pending = [(topic, frame) for topic, frame in usable.items() if frame.decoded is None]
         errors = {}
@@ -570,9 +623,13 @@ class ObservationSynchronizer:
                 topics.append(topic)
 
     def _check_joints(self, joints: dict, any_joint: bool, refused: dict, now: float,
-                      max_state_age: float, reasons: list, topics: list) -> None:
+                      max_state_age: float, reasons: list, topics: list,
+                      names_seen: tuple[str, ...] | None = None,
+                      dropped_older: tuple[float, float] | None = None) -> None:
         """Append the reasons the joints of `joints` (name -> (position, stamp) or None)
-        cannot be used: missing, stale, future-stamped, non-finite."""
+        cannot be used: missing (with the names the latest message carries), stale (saying
+        when messages still arrive stamped older, or without the joints), future-stamped,
+        non-finite."""
         missing = [n for n, j in joints.items() if j is None]
         future = [n for n, j in joints.items() if j is not None and self.stamp_problem(j[1], now)]
         stale = [n for n, j in joints.items() if j is not None and now - j[1] > max_state_age]
@@ -581,16 +638,22 @@ class ObservationSynchronizer:
             with self._lock:
                 problem = (self._refused.get(self.joint_state_topic)
                            or self._problems.get(self.joint_state_topic, ''))
-            what = (f'lacks joints {missing}' if any_joint
+            what = (f'lacks joints {missing}' + _names_hint(missing, names_seen)
+                    if any_joint or (names_seen is not None and not problem)
                     else f'has no usable position for joints {missing}' if problem
                     else 'has no message yet' + self._input_hint(self.joint_state_topic))
             reasons.append(f'joint state {self.joint_state_topic} {what}'
                            + (f' ({problem})' if problem else ''))
         if stale:
             why = refused.get(self.joint_state_topic)
+            oldest = min(joints[n][1] for n in stale)
+            hint = _clock_went_back(dropped_older, oldest, now, max_state_age, 'messages')
+            if not hint and names_seen is not None and not set(stale) & set(names_seen):
+                hint = '; its latest message names none of them' + _names_hint(stale,
+                                                                                names_seen)
             reasons.append(f'joint state {self.joint_state_topic} is stale for '
                            + self._stale_text(stale, now, max_state_age)
-                           + (f' ({why})' if why else ''))
+                           + (f' ({why})' if why else '') + hint)
         if future:
             reasons.append(f'joint state {self.joint_state_topic} for {future} '
                            f'{self.stamp_problem(max(joints[n][1] for n in future), now)}')
