@@ -590,6 +590,35 @@ def test_a_second_node_of_the_same_name_fails_configure(graph):
         rclpy.try_shutdown(context=context)
 
 
+def test_a_node_configured_as_it_starts_finds_a_running_twin(graph):
+    """From a new-user trial: a second /molmobot_policy configured within ~0.5 s of its start
+    (tiny model, fast warm-up) had not discovered the running one, went active, and both then
+    skipped every tick."""
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    try:
+        twin = rclpy.create_node('safety_racer', context=context)     # running already
+        g = graph('safety_racer', allow_random_weights=True)      # starts, configures at once
+        assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+        assert 'another node named /safety_racer is running' in g.log.text('error')
+        twin.destroy_node()
+    finally:
+        rclpy.try_shutdown(context=context)
+
+
+def test_two_publishers_of_this_nodes_name_are_told_as_a_twin():
+    from types import SimpleNamespace
+    from molmobot_policy.ros.graph import other_commanders
+    me = SimpleNamespace(node_name='molmobot_policy', node_namespace='/')
+    node = SimpleNamespace(get_publishers_info_by_topic=lambda topic: [me, me],
+                           get_fully_qualified_name=lambda: '/molmobot_policy')
+    problem = other_commanders(node, '/molmobot_policy/joint_trajectory')
+    assert problem.startswith('2 publishers on /molmobot_policy/joint_trajectory '
+                              '(/molmobot_policy, /molmobot_policy)')
+    assert problem.endswith("another node named /molmobot_policy (this node's name) is one "
+                            'of them: stop one')
+
+
 def test_another_publisher_on_the_output_topic_stops_the_chunks_until_it_leaves(graph):
     """Two commanders on one controller topic alternate chunks, each limited against its
     own last chunk: the arm jumped at 2-3.5 rad/s against a 1.5 rad/s limit (eighth trial)."""

@@ -26,6 +26,20 @@ def same_name_problem(node) -> str:
             'lifecycle services, topics and status names would be shared)')
 
 
+def wait_for_same_name(node, since: float, settle_s: float = 2.0,
+                       poll_s: float = 0.05) -> str:
+    """`same_name_problem`, asked until it finds a twin or until `settle_s` s have passed
+    since `since` (time.monotonic() when `node` was created): a node that just started has
+    not yet discovered the others (DDS discovery takes a few hundred ms on one machine), so
+    an early question would miss a running twin."""
+    import time
+    while True:
+        problem = same_name_problem(node)
+        if problem or time.monotonic() - since >= settle_s:
+            return problem
+        time.sleep(poll_s)
+
+
 def other_commanders(node, topic: str) -> str:
     """'' or why no chunk may be sent on `topic` (resolved): another publisher on it (a second
     policy node, a teleop); the controller would switch between the two every chunk, each
@@ -36,10 +50,13 @@ def other_commanders(node, topic: str) -> str:
         return ''
     if len(publishers) <= 1:
         return ''
-    names = ', '.join(sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}"
-                             for p in publishers))
-    return (f'{len(publishers)} publishers on {topic} ({names}): two commanders would '
-            'alternate chunks on the arm; nothing is sent until this node is the only one')
+    names = sorted(f"{p.node_namespace.rstrip('/')}/{p.node_name}" for p in publishers)
+    me = node.get_fully_qualified_name()
+    twin = (f'; another node named {me} (this node\'s name) is one of them: stop one'
+            if names.count(me) > 1 else '')
+    return (f"{len(publishers)} publishers on {topic} ({', '.join(names)}): two commanders "
+            'would alternate chunks on the arm; nothing is sent until this node is the only '
+            f'one{twin}')
 
 
 def shared_topics_problem(node, cameras: list[str], joint_state_topic: str) -> str:

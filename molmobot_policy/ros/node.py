@@ -88,6 +88,7 @@ class PolicyNode(LifecycleNode):
     def __init__(self, engine_factory=None, node_name: str = NODE_NAME, argv=None,
                  stop_requested: threading.Event | None = None, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
+        self._created = time.monotonic()    # the same-name check waits for discovery from it
         # set by `ros.main.StopSignals` on SIGINT / SIGTERM: configure stops at its next step
         self.stop_requested = stop_requested or threading.Event()
         self._engine_factory = engine_factory or default_engine_factory
@@ -374,11 +375,12 @@ class PolicyNode(LifecycleNode):
                                   self._param('camera_qos') == 'reliable', topic)
 
     def _check_graph(self) -> None:
-        """ValueError when another node has this node's name, or two inputs resolve to one
-        topic (`ros.graph`)."""
-        problem = graph.same_name_problem(self) or graph.shared_topics_problem(
-            self, [t for t, _ in camera_subscriptions(self._param)],
-            self._param('joint_state_topic'))
+        """ValueError when another node has this node's name (asked until discovery had time
+        to find one), or two inputs resolve to one topic (`ros.graph`)."""
+        cameras = [t for t, _ in camera_subscriptions(self._param)]
+        problem = (graph.wait_for_same_name(self, self._created)
+                   or graph.shared_topics_problem(self, cameras,
+                                                  self._param('joint_state_topic')))
         if problem:
             raise ValueError(problem)
 
