@@ -83,6 +83,17 @@ class NodeProcess:
         return self.process.returncode
 
 
+@pytest.fixture(autouse=True)
+def _no_discovery_settle(monkeypatch):
+    """The tests' in-process nodes configure at once, beside nodes of their own making: the
+    same-name check's wait for discovery (`ros.graph.DISCOVERY_SETTLE_S`) would add its 2 s
+    to every configure. A test of that wait calls `monkeypatch.undo()` to get it back."""
+    import sys
+    graph = sys.modules.get('molmobot_policy.ros.graph')
+    if graph is not None:
+        monkeypatch.setattr(graph, 'DISCOVERY_SETTLE_S', 0.0)
+
+
 @pytest.fixture
 def ros_context():
     """A fresh rclpy context for nodes built in this test process (shut down afterwards)."""

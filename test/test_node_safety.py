@@ -590,10 +590,11 @@ def test_a_second_node_of_the_same_name_fails_configure(graph):
         rclpy.try_shutdown(context=context)
 
 
-def test_a_node_configured_as_it_starts_finds_a_running_twin(graph):
+def test_a_node_configured_as_it_starts_finds_a_running_twin(graph, monkeypatch):
     """From a new-user trial: a second /molmobot_policy configured within ~0.5 s of its start
     (tiny model, fast warm-up) had not discovered the running one, went active, and both then
     skipped every tick."""
+    monkeypatch.undo()      # the wait for discovery as served (conftest turns it off)
     context = rclpy.Context()
     rclpy.init(context=context)
     try:

@@ -26,16 +26,18 @@ def same_name_problem(node) -> str:
             'lifecycle services, topics and status names would be shared)')
 
 
-def wait_for_same_name(node, since: float, settle_s: float = 2.0,
-                       poll_s: float = 0.05) -> str:
-    """`same_name_problem`, asked until it finds a twin or until `settle_s` s have passed
-    since `since` (time.monotonic() when `node` was created): a node that just started has
-    not yet discovered the others (DDS discovery takes a few hundred ms on one machine), so
-    an early question would miss a running twin."""
+DISCOVERY_SETTLE_S = 2.0    # how long after its start a node may miss a running twin
+
+
+def wait_for_same_name(node, since: float, poll_s: float = 0.05) -> str:
+    """`same_name_problem`, asked until it finds a twin or until DISCOVERY_SETTLE_S s have
+    passed since `since` (time.monotonic() when `node` was created): a node that just started
+    has not yet discovered the others (DDS discovery takes a few hundred ms on one machine),
+    so an early question would miss a running twin."""
     import time
     while True:
         problem = same_name_problem(node)
-        if problem or time.monotonic() - since >= settle_s:
+        if problem or time.monotonic() - since >= DISCOVERY_SETTLE_S:
             return problem
         time.sleep(poll_s)
 
