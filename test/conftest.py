@@ -1,7 +1,7 @@
 """Test-wide settings. DDS traffic stays on this machine, and every pytest run picks its own
-random ROS domain so that parallel runs (and the demo) never cross-talk (DESIGN.md,
-"Environment facts"). Set here, at import time, before any test module imports rclpy;
-subprocesses started by tests inherit the environment."""
+random ROS domain so that parallel runs (and the demo) never cross-talk
+(../shared/docs/DESIGN.md, "Environment facts"). Set here, at import time, before any test
+module imports rclpy; subprocesses started by tests inherit the environment."""
 import os
 import random
 
