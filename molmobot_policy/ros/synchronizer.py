@@ -123,9 +123,10 @@ def _layout_text(msg) -> str:
     return f'{msg.encoding} {msg.height}x{msg.width}'
 
 
-def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None) -> str:
-    """' (its latest message names [...]; did you mean ...?)' for joints `wanted` that a
-    joint-state message naming `seen` lacks; '' when no message was seen."""
+def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None,
+                lead: str = 'its latest message names') -> str:
+    """' (<lead> [...]; did you mean ...?)' for joints `wanted` that a joint-state message
+    naming `seen` lacks; '' when no message was seen."""
     if seen is None:
         return ''
     shown = list(seen[:12]) + (['...'] if len(seen) > 12 else [])
@@ -139,7 +140,7 @@ def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None) -> str:
              if m]
     guess = '; did you mean ' + ', '.join(f"'{m}' for '{w}'" for w, m in close) + \
         ' (joint_names / action_joint_names)?' if close else ''
-    return f' (its latest message names {shown}{guess})'
+    return f' ({lead} {shown}{guess})'
 
 
 def _clock_went_back(dropped: tuple[float, float] | None, kept_stamp: float, now: float,
@@ -649,8 +650,8 @@ class ObservationSynchronizer:
             oldest = min(joints[n][1] for n in stale)
             hint = _clock_went_back(dropped_older, oldest, now, max_state_age, 'messages')
             if not hint and names_seen is not None and not set(stale) & set(names_seen):
-                hint = '; its latest message names none of them' + _names_hint(stale,
-                                                                                names_seen)
+                hint = _names_hint(stale, names_seen,
+                                   'its latest message names none of them, only')
             reasons.append(f'joint state {self.joint_state_topic} is stale for '
                            + self._stale_text(stale, now, max_state_age)
                            + (f' ({why})' if why else '') + hint)
