@@ -4,6 +4,8 @@ names that resolve to one topic, and why a subscribed topic may receive nothing.
 the node; none raises on a failed graph query where it only gives a hint."""
 from __future__ import annotations
 
+import time
+
 from rclpy.qos import ReliabilityPolicy
 
 from molmobot_policy.preprocess.transforms import repeated
@@ -34,7 +36,6 @@ def wait_for_same_name(node, since: float, poll_s: float = 0.05) -> str:
     passed since `since` (time.monotonic() when `node` was created): a node that just started
     has not yet discovered the others (DDS discovery takes a few hundred ms on one machine),
     so an early question would miss a running twin."""
-    import time
     while True:
         problem = same_name_problem(node)
         if problem or time.monotonic() - since >= DISCOVERY_SETTLE_S:

@@ -134,10 +134,11 @@ def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None,
     def plain(name: str) -> str:     # 'Jaco_Joint_1' ~ 'jaco_joint1': case and separators
         return ''.join(c for c in name.lower() if c.isalnum())
     by_plain = {plain(n): n for n in seen}
-    close = [(w, by_plain[m[0]]) for w in wanted
-             for m in [[plain(w)] if plain(w) in by_plain else
-                       difflib.get_close_matches(plain(w), list(by_plain), n=1, cutoff=0.6)]
-             if m]
+    close = []
+    for name in wanted:
+        match = difflib.get_close_matches(plain(name), list(by_plain), n=1, cutoff=0.6)
+        if match:       # an exact match scores 1.0, so it comes first
+            close.append((name, by_plain[match[0]]))
     guess = '; did you mean ' + ', '.join(f"'{m}' for '{w}'" for w, m in close) + \
         ' (joint_names / action_joint_names)?' if close else ''
     return f' ({lead} {shown}{guess})'
@@ -625,8 +626,8 @@ class ObservationSynchronizer:
 
     def _check_joints(self, joints: dict, any_joint: bool, refused: dict, now: float,
                       max_state_age: float, reasons: list, topics: list,
-                      names_seen: tuple[str, ...] | None = None,
-                      dropped_older: tuple[float, float] | None = None) -> None:
+                      names_seen: tuple[str, ...] | None,
+                      dropped_older: tuple[float, float] | None) -> None:
         """Append the reasons the joints of `joints` (name -> (position, stamp) or None)
         cannot be used: missing (with the names the latest message carries), stale (saying
         when messages still arrive stamped older, or without the joints), future-stamped,
