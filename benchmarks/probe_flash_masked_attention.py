@@ -219,20 +219,22 @@ def main() -> int:
         tiles = BlockSparseTensorsTorch(t.partial_count, t.partial_index, t.full_count,
                                         t.full_index, block_size=(FA.TILE_M, FA.TILE_N))
 
+        def at(tensor, batch, index):
+            # one per-token value as the rule's int32 (called while a rule is traced)
+            return utils.scalar_to_ssa(tensor[batch[0], index[0]], cutlass.Int32)
+
+        def const(value):
+            return utils.scalar_to_ssa(value, cutlass.Int32)
+
         @cute.jit
         def rule_without_padding(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-            kinds_ = aux_tensors[0]
-            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
-            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
-            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
+            query, key = at(aux_tensors[0], batch, q_idx), at(aux_tensors[0], batch, kv_idx)
+            image = const(FA.KIND_IMAGE)
             return (kv_idx <= q_idx) | ((query == image) & (key == image))
 
         @cute.jit
         def key_kind_only(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-            kinds_ = aux_tensors[0]
-            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
-            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
-            return (kv_idx <= q_idx) | (key == image)
+            return (kv_idx <= q_idx) | (at(aux_tensors[0], batch, kv_idx) == const(FA.KIND_IMAGE))
 
         @cute.jit
         def index_compare_only(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -246,7 +248,7 @@ def main() -> int:
 
             @cute.jit
             def rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-                zero = utils.scalar_to_ssa(0, cutlass.Int32)
+                zero = const(0)
                 dq, dk = q_idx - start, kv_idx - start
                 q_image = (dq >= zero) & (dq < span) & (dq % period < length)
                 k_image = (dk >= zero) & (dk < span) & (dk % period < length)
@@ -262,28 +264,21 @@ def main() -> int:
 
         @cute.jit
         def key_limit_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-            kinds_, limits_ = aux_tensors[0], aux_tensors[1]
-            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
-            limit = utils.scalar_to_ssa(limits_[batch[0], kv_idx[0]], cutlass.Int32)
-            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
-            return cute.where(query == image, limit, kv_idx) <= q_idx
+            query, limit = at(aux_tensors[0], batch, q_idx), at(aux_tensors[1], batch, kv_idx)
+            return cute.where(query == const(FA.KIND_IMAGE), limit, kv_idx) <= q_idx
 
         @cute.jit
         def kinds_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
             # the mask's own form on the kinds, padding check included (served until 2026-12-07)
-            kinds_ = aux_tensors[0]
-            query = utils.scalar_to_ssa(kinds_[batch[0], q_idx[0]], cutlass.Int32)
-            key = utils.scalar_to_ssa(kinds_[batch[0], kv_idx[0]], cutlass.Int32)
-            pad = utils.scalar_to_ssa(FA.KIND_PAD, cutlass.Int32)
-            image = utils.scalar_to_ssa(FA.KIND_IMAGE, cutlass.Int32)
-            return ((kv_idx <= q_idx) & (key != pad)) | ((query == image) & (key == image))
+            query, key = at(aux_tensors[0], batch, q_idx), at(aux_tensors[0], batch, kv_idx)
+            image = const(FA.KIND_IMAGE)
+            return (((kv_idx <= q_idx) & (key != const(FA.KIND_PAD)))
+                    | ((query == image) & (key == image)))
 
         @cute.jit
         def row_offset_rule(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-            offsets, table_ = aux_tensors[0], aux_tensors[1]
-            offset = utils.scalar_to_ssa(offsets[batch[0], q_idx[0]], cutlass.Int32)
-            limit = utils.scalar_to_ssa(table_[batch[0], (offset + kv_idx)[0]], cutlass.Int32)
-            return limit <= q_idx
+            offset = at(aux_tensors[0], batch, q_idx)
+            return at(aux_tensors[1], batch, offset + kv_idx) <= q_idx
 
         label, per_image = 3, 198                      # served_layout's defaults
         periodic = periodic_image_rule(1 + label, label + per_image, per_image, 8)
