@@ -615,18 +615,76 @@ def test_the_first_point_is_anchored_where_the_arm_is_at_the_publish_not_where_m
     allowance = velocity * max(second.times[0] - sent, 0.0)
     assert np.all(np.abs(second.positions[0] - arm) <= allowance + 1e-3), (
         second.positions[0], arm, allowance)
+    assert recorder.reports[1].not_following == ()          # judged to follow its chunk
 
 
-def test_position_at_publish_moves_the_measurement_along_the_executing_chunk():
+def test_anchor_at_publish_moves_the_measurement_along_the_executing_chunk():
     from molmobot_policy.timing.chunking import StitchedChunk
-    from molmobot_policy.timing.motion import position_at_publish
+    from molmobot_policy.timing.motion import anchor_at_publish
     chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[0.0, 5.0], [1.0, 5.0]]), 0, 0)
     measured = np.array([0.2, np.nan])
-    moved = position_at_publish(measured, 10.25, 10.75, chunk)
+    moved = anchor_at_publish(measured, 10.25, 10.75, chunk).positions
     assert moved[0] == pytest.approx(0.7) and np.isnan(moved[1])
-    assert position_at_publish(measured, 12.0, 13.0, chunk)[0] == 0.2    # chunk over: holds
-    assert position_at_publish(measured, 10.5, 10.5, chunk)[0] == 0.2
-    assert position_at_publish(measured, 10.0, 11.0, None)[0] == 0.2
+    assert anchor_at_publish(measured, 12.0, 13.0, chunk).positions[0] == 0.2   # over: holds
+    assert anchor_at_publish(measured, 10.5, 10.5, chunk).positions[0] == 0.2
+    assert anchor_at_publish(measured, 10.0, 11.0, None).positions[0] == 0.2
+
+
+def test_a_joint_that_does_not_follow_the_executing_chunk_stays_at_its_measurement():
+    """Joint 0 is measured 0.3 from where the chunk had it at the stamp (tolerance 0.1): it
+    is not moved along the chunk and is named; joint 1, 0.05 off, is."""
+    from molmobot_policy.timing.chunking import StitchedChunk
+    from molmobot_policy.timing.motion import anchor_at_publish
+    chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[0.0, 0.0], [1.0, 1.0]]), 0, 0)
+    measured = np.array([0.55, 0.3])            # the chunk has 0.25 for both at 10.25
+    anchor = anchor_at_publish(measured, 10.25, 10.75, chunk, tolerance=0.1)
+    np.testing.assert_allclose(anchor.positions, [0.55, 0.8])
+    assert anchor.not_following == (0,)
+    np.testing.assert_allclose(anchor.tracking_error, [0.3, 0.05])
+    unchecked = anchor_at_publish(measured, 10.25, 10.75, chunk)        # no tolerance
+    np.testing.assert_allclose(unchecked.positions, [1.05, 0.8])
+    assert unchecked.not_following == ()
+
+
+def test_the_executing_chunk_runs_from_its_start_to_its_first_point():
+    """The controller takes a chunk up at its start (time, the arm's position then) and
+    moves to the first point by its time: the arm measured on that way follows it."""
+    from molmobot_policy.timing.chunking import StitchedChunk
+    from molmobot_policy.timing.motion import anchor_at_publish
+    chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[1.0], [1.0]]), 0, 0,
+                          start=(9.0, np.array([0.0])))
+    anchor = anchor_at_publish(np.array([0.5]), 9.5, 9.75, chunk, tolerance=0.1)
+    assert anchor.not_following == ()
+    assert anchor.positions[0] == pytest.approx(0.75)
+
+
+def test_an_arm_that_does_not_move_gets_first_points_within_reach_of_where_it_is():
+    """A fresh-user trial: an arm that does not follow the chunks (its controller rejected
+    them; stopped), measured 0.3 s before each publish, got first points predicted along the
+    chunk it never ran, up to max_velocity x 0.3 s beyond their allowance from the real arm.
+    With the tracking check every first point is within its allowance of the arm, the joints
+    named; without it (tolerance inf) the same run is not."""
+    from molmobot_policy.timing import MotionLimiter
+    velocity = 0.5
+
+    def run_stuck(tolerance):
+        clock = FakeClock()
+        event = FakeEvent(clock)
+        robot = Robot(clock)
+        recorder = Recorder(event, 4)
+        loop = make_loop(clock, event, robot, recorder,
+                         limiter=MotionLimiter(max_velocity=velocity,
+                                               tracking_tolerance=tolerance),
+                         measured=lambda: (np.zeros(JOINTS), clock.t - 0.3))
+        loop.run()
+        beyond = [np.abs(chunk.positions[0]).max()
+                  - velocity * max(chunk.times[0] - sent, 0.0) for sent, chunk in robot.sent]
+        return beyond, recorder.reports
+    beyond, reports = run_stuck(None)           # the default: velocity x 0.1 s
+    assert len(beyond) == 4 and max(beyond) <= 1e-3, beyond
+    assert [r.not_following for r in reports[1:]] == [(0, 1)] * 3
+    unchecked, _ = run_stuck(np.inf)
+    assert max(unchecked) > 0.1, unchecked
 
 
 def test_the_next_chunk_is_joined_to_the_published_points_not_the_unlimited_plan():

@@ -130,6 +130,7 @@ def test_empty_chunk_passes_through():
     (dict(position_min=[1.0], position_max=[0.0]), 'position_min must be <= position_max'),
     (dict(position_min=[np.nan]), 'position_min must not contain nan'),
     (dict(max_step=[0.1, 0.0]), 'max_step must be > 0'),
+    (dict(tracking_tolerance=[0.1, -1.0]), 'tracking_tolerance must be > 0'),
 ])
 def test_bad_limits_are_refused_naming_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -140,3 +141,13 @@ def test_limit_length_must_match_the_commanded_joints():
     limiter = MotionLimiter(max_velocity=[1.0, 1.0])
     with pytest.raises(ValueError, match='max_velocity has 2 values but the chunk commands 3'):
         limiter.limit(_times(1), np.zeros((1, 3)), measured=np.zeros(3), publish_time=10.0)
+
+
+def test_the_tracking_tolerance_defaults_to_the_velocity_limit_over_its_window():
+    from molmobot_policy.timing.motion import TRACKING_WINDOW_S
+    limiter = MotionLimiter(max_velocity=[1.0, np.inf])
+    np.testing.assert_allclose(limiter.tracking_tolerance, [TRACKING_WINDOW_S, np.inf])
+    np.testing.assert_allclose(MotionLimiter(tracking_tolerance=0.2).tracking_tolerance, [0.2])
+    with pytest.raises(ValueError, match='tracking_tolerance has 2 values but the chunk '
+                                         'commands 3'):
+        limiter.anchor(np.zeros(3), 1.0, 2.0, None)

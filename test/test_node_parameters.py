@@ -444,6 +444,18 @@ def test_the_motion_limiter_takes_max_step_except_for_the_gripper():
     assert step[:6].tolist() == [0.1] * 6 and step[6] == float('inf')
 
 
+def test_the_motion_limiter_takes_tracking_tolerance_except_for_the_gripper():
+    from molmobot_policy.ros.parameters import motion_limiter
+    from molmobot_policy.timing.motion import TRACKING_WINDOW_S
+    default = motion_limiter(_values(max_joint_velocity=[2.0])).tracking_tolerance
+    assert default.tolist() == [2.0 * TRACKING_WINDOW_S] * 7   # max_joint_velocity x window
+    tolerance = motion_limiter(_values(tracking_tolerance=[0.3],
+                                       gripper_index=6)).tracking_tolerance
+    assert tolerance[:6].tolist() == [0.3] * 6 and tolerance[6] == float('inf')
+    with pytest.raises(ValueError, match='tracking_tolerance must be > 0'):
+        motion_limiter(_values(tracking_tolerance=[0.0]))
+
+
 @pytest.mark.parametrize('name, value, expected', [
     ('max_joint_velocity', [1.0, 2.0], '1 or 7'),
     ('max_joint_velocity', [], '1 or 7'),

@@ -93,3 +93,34 @@ def test_skips_before_the_first_chunk_are_info_for_the_startup_grace(monkeypatch
     report.started(0.0)                  # a problem that is no waiting: warned at once
     report.skipped(2, "parameter 'instruction' is empty: set it to the task text")
     assert warnings[-1] == "skipping tick 2: parameter 'instruction' is empty: set it to the task text"
+
+
+def test_joints_that_do_not_follow_the_chunks_are_warned_by_name():
+    """An arm whose controller does not run the chunks is anchored at its measurement
+    (timing.motion.anchor_at_publish); the log names its joints and what to check."""
+    import numpy as np
+
+    from molmobot_policy.timing.reports import ChunkReport
+    warnings = []
+    logger = SimpleNamespace(info=lambda m, **kw: None,
+                             warning=lambda m, **kw: warnings.append(m))
+    node = SimpleNamespace(
+        context=SimpleNamespace(ok=lambda: True), get_name=lambda: 'p',
+        get_fully_qualified_name=lambda: '/p', get_logger=lambda: logger,
+        chunks_published_total=0,
+        get_parameter=lambda name: SimpleNamespace(value=['shoulder', 'elbow']))
+    report = LoopReport(node, chunk_info=SimpleNamespace(publish=lambda message: None),
+                        sync=SimpleNamespace(last_build_decoded=0, last_build_decode_s=0.0),
+                        watchdog=SimpleNamespace(published=lambda now: None),
+                        now=lambda: 0.0)
+
+    def chunk(not_following):
+        return ChunkReport(tick=1, observation_seq=1, observation_stamp=0.0,
+                           observation_age_ms=1.0, inference_ms=1.0, publish_jitter_ms=0.0,
+                           positions=np.zeros((2, 2)), dropped=0, count=1,
+                           not_following=not_following)
+    report.published(chunk(()))
+    assert warnings == []
+    report.published(chunk((1,)))
+    assert len(warnings) == 1 and "['elbow'] do not follow the published chunks" in warnings[0]
+    assert 'tracking_tolerance' in warnings[0]

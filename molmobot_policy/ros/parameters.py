@@ -143,6 +143,13 @@ PARAMETERS = {
         'measured /joint_states position, each later point from the one before, so a plan '
         'far from the arm is reached along a ramp; default 1.5: below common arm limits, '
         "above what the demo's arm moves", _DA, dynamic=True)),
+    'tracking_tolerance': ([], descriptor(
+        'robot units (rad) per action joint, one value for all or one per joint, each > 0: '
+        'a joint measured further than this from where the chunk the arm executes had it at '
+        'the /joint_states stamp does not follow the chunks (controller rejecting them, a '
+        'stop, a blocked arm): its next chunk starts from the measurement instead of the '
+        'position predicted along that chunk (WARN naming it); empty: max_joint_velocity x '
+        '0.1 s; .inf: never judged', _DA, dynamic=True)),
     'joint_position_min': ([], descriptor(
         'per action joint lower position limit, robot units (rad); every published point is '
         'clipped to it and clipping is counted on /diagnostics, except while a joint measured '
@@ -464,7 +471,8 @@ def check_parameter_values(parameter) -> None:
         raise ParameterError('camera_transports', transports,
                              f'is not 1 or {cameras} (one per camera topic) of '
                              f'{list(CAMERA_TRANSPORTS)}')
-    for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max'):
+    for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max',
+                 'tracking_tolerance'):
         per_joint(parameter, name)
     size = parameter('min_image_size')
     size = [] if size is None else list(size)
@@ -562,13 +570,14 @@ def check_gripper_within_limits(parameter, gripper: int, limits: dict) -> None:
 
 
 def motion_limiter(parameter) -> MotionLimiter:
-    """The `MotionLimiter` of max_joint_velocity, joint_position_min, joint_position_max and
-    max_step; `parameter(name)` -> its value. The gripper dimension (gripper_index >= 0) has
+    """The `MotionLimiter` of max_joint_velocity, joint_position_min, joint_position_max,
+    max_step and tracking_tolerance; `parameter(name)` -> its value. The gripper dimension (gripper_index >= 0) has
     no velocity or step limit here: its binarized open / closed command is no joint position.
     Raises ValueError on a bad value (ParameterError naming the parameter for lists of the
     wrong length or type)."""
     velocity = per_joint(parameter, 'max_joint_velocity')
     step = per_joint(parameter, 'max_step')
+    tolerance = per_joint(parameter, 'tracking_tolerance')
     limits = {name: per_joint(parameter, name)
               for name in ('joint_position_min', 'joint_position_max')}
     gripper = parameter('gripper_index')
@@ -576,12 +585,14 @@ def motion_limiter(parameter) -> MotionLimiter:
         velocity[gripper] = np.inf
         if step is not None:
             step[gripper] = np.inf
+        if tolerance is not None:
+            tolerance[gripper] = np.inf
         check_gripper_within_limits(parameter, gripper, limits)
     try:
         return MotionLimiter(max_velocity=velocity,
                              position_min=limits['joint_position_min'],
                              position_max=limits['joint_position_max'],
-                             max_step=step)
+                             max_step=step, tracking_tolerance=tolerance)
     except ParameterError:
         raise
     except ValueError as error:     # MotionLimiter's names -> the parameters'

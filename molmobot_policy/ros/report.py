@@ -173,6 +173,16 @@ class LoopReport(LoopEvents):
                        'step into the range)')
             if not self._printed('WARN', warning):
                 self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
+        if report.not_following:
+            names = list(self._node.get_parameter('action_joint_names').value)
+            joints = [names[j] if j < len(names) else j for j in report.not_following]
+            warning = (f'chunk {report.count}: action joints {joints} do not follow the '
+                       'published chunks (measured further than tracking_tolerance from where '
+                       'the chunk the arm executes had them at the joint state\'s stamp): '
+                       'their first points are anchored at the measurement. Is the controller '
+                       'taking the chunks (its log), the arm held by a stop or blocked?')
+            if not self._printed('WARN', warning):
+                self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
 
 
 def print_log(name: str, severity: str, message: str) -> None:

@@ -69,7 +69,7 @@ import numpy as np
 
 from molmobot_policy.timing.chunking import ChunkStitcher, StitchedChunk
 from molmobot_policy.timing.latency import LatencyEstimator
-from molmobot_policy.timing.motion import MotionLimiter, position_at_publish
+from molmobot_policy.timing.motion import MotionLimiter
 from molmobot_policy.timing.reports import ChunkReport, DelayClues, LoopEvents, LoopStats
 from molmobot_policy.timing.scheduler import DeadlineScheduler, ObservationGate, Tick
 from molmobot_policy.timing.stats import account_difference, runqueue_wait_s, thread_account
@@ -573,9 +573,9 @@ class PolicyLoop:
         """(send, the chunk as sent, `LimitedPoints` or None) of `stitched` limited from the
         arm's position predicted at `taken_at` (s, ROS time: when the controller takes it at
         the latest), committed as the stitcher's reference."""
-        limits = self._limit(stitched, measured, taken_at, executing)
-        if limits is not None:
-            stitched = replace(stitched, positions=limits.positions)
+        limits, anchor = self._limit(stitched, measured, taken_at, executing)
+        if limits is not None:      # the controller runs it from where the arm is then
+            stitched = replace(stitched, positions=limits.positions, start=(taken_at, anchor))
         self._stitcher.commit(stitched)         # the next chunk joins what is published
         return self._publish(stitched), stitched, limits
 
@@ -608,15 +608,18 @@ class PolicyLoop:
 
     def _limit(self, stitched: StitchedChunk, measured, taken_at: float,
                executing: Optional[StitchedChunk]):
-        """The limiter's `LimitedPoints` for the stitched chunk taken by the controller at
-        `taken_at` at the latest (None without a limiter); `measured` is what
-        `self._measured()` returned, `executing` the chunk the arm runs until then
-        (`motion.position_at_publish`)."""
+        """(The limiter's `LimitedPoints` for the stitched chunk taken by the controller at
+        `taken_at` at the latest, the arm's position expected then), or (None, None) without
+        a limiter; `measured` is what `self._measured()` returned, `executing` the chunk the
+        arm runs until then (`MotionLimiter.anchor`: moved along it where the arm follows
+        it)."""
         if self._limiter is None:
-            return None
+            return None, None
         positions, stamp = measured
-        anchor = position_at_publish(positions, stamp, taken_at, executing)
-        return self._limiter.limit(stitched.times, stitched.positions, anchor, taken_at)
+        anchor = self._limiter.anchor(positions, stamp, taken_at, executing)
+        limits = self._limiter.limit(stitched.times, stitched.positions, anchor.positions,
+                                     taken_at)
+        return replace(limits, not_following=anchor.not_following), anchor.positions
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
                 stitched: StitchedChunk, published: float, delay: Optional[DelayClues],
@@ -624,10 +627,10 @@ class PolicyLoop:
         stats = self.stats
         limited = clipped = 0
         offset = float('nan')
-        outside = ()
+        outside = not_following = ()
         if limits is not None:
             limited, clipped = limits.velocity_limited, limits.position_clipped
-            outside = limits.outside_limits
+            outside, not_following = limits.outside_limits, limits.not_following
             anchored = limits.start_offset[np.isfinite(limits.start_offset)]
             offset = float(anchored.max()) if anchored.size else offset
             stats.velocity_limited += limited
@@ -649,4 +652,5 @@ class PolicyLoop:
             positions=stitched.positions, dropped=stitched.dropped,
             count=stats.chunks_published, delay=delay, velocity_limited=limited,
             position_clipped=clipped, start_offset=offset, outside_limits=outside,
+            not_following=not_following,
             instruction=observation.instruction))

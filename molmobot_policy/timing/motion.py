@@ -22,10 +22,18 @@ is not anchored; its points are still rate-limited among themselves and clipped.
 
 `measured` is where the arm is at the publish time. A chunk is prepared up to its lead (the
 inference time and more) before it is published, and meanwhile the arm runs the chunk it is
-executing; `position_at_publish` moves the latest measurement along that chunk from the
+executing; `anchor_at_publish` moves the latest measurement along that chunk from the
 measurement's stamp to the publish time (exact while the arm tracks the published chunks;
 anchoring to the measurement itself let the first point lag the arm by up to v_max x the
-lead, a fresh-user trial measured 3.6 rad/s against a 1.5 rad/s limit).
+lead, a fresh-user trial measured 3.6 rad/s against a 1.5 rad/s limit). It does so only for
+the joints that follow the chunk: a joint measured further than its tracking tolerance from
+where the chunk had it at the measurement's stamp (its controller rejected the chunks, an
+emergency stop holds it, it is blocked) stays at its measurement, since moving it along a
+chunk it does not run put the first point up to v_max x the measurement's age beyond its
+allowance from the real arm (fresh-user trial: 0.449 rad against 0.065). Either judgement,
+when wrong, costs at most the motion over the measurement's age (a lagging arm judged stuck
+gets a first point that far behind it), so the tolerance only decides which arm that bound
+applies to.
 
 Plain python + numpy; no rclpy; not thread-safe (the worker owns it).
 """
@@ -54,6 +62,9 @@ class LimitedPoints:
             (nan where not measured): how far the plan began from the arm.
         outside_limits: indices of the joints MEASURED outside their position limits: their
             points are ramped back in at the velocity limit, outside the limits until then.
+        not_following: indices of the joints anchored at their measurement because they did
+            not follow the executing chunk (`Anchor.not_following`; set by the caller that
+            anchored them).
     """
 
     positions: np.ndarray
@@ -61,28 +72,79 @@ class LimitedPoints:
     position_clipped: int
     start_offset: np.ndarray
     outside_limits: tuple[int, ...] = ()
+    not_following: tuple[int, ...] = ()
 
 
-def position_at_publish(measured: np.ndarray, stamp: float, publish_time: float,
-                        executing) -> np.ndarray:
+# the default tracking tolerance of a joint: the distance its velocity limit covers in this time
+TRACKING_WINDOW_S = 0.1
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Where the arm is expected at the publish time (`anchor_at_publish`).
+
+    Attributes:
+        positions: float64 (A,), robot units; nan where not measured.
+        not_following: indices of the joints measured further than their tracking tolerance
+            from the executing chunk at the measurement's stamp: anchored at the measurement.
+        tracking_error: float64 (A,), |measured - the executing chunk at the stamp|, robot
+            units; nan where not measured or without an executing chunk.
+    """
+
+    positions: np.ndarray
+    not_following: tuple[int, ...] = ()
+    tracking_error: Optional[np.ndarray] = None
+
+
+def _trajectory(executing) -> tuple[np.ndarray, np.ndarray]:
+    """(times (K',), positions (K', A)) the controller runs for `executing`: its start (the
+    time it was taken up and the arm's position then, where known) and its points."""
+    times = np.asarray(executing.times, dtype=np.float64)
+    positions = np.asarray(executing.positions, dtype=np.float64)
+    start = getattr(executing, 'start', None)
+    if start is not None and len(times) and start[0] < times[0] \
+            and np.shape(start[1]) == positions.shape[1:]:
+        origin = np.where(np.isfinite(start[1]), start[1], positions[0])
+        times = np.concatenate([[start[0]], times])
+        positions = np.concatenate([origin[None], positions])
+    return times, positions
+
+
+def anchor_at_publish(measured: np.ndarray, stamp: float, publish_time: float, executing,
+                      tolerance: Limit = None) -> Anchor:
     """Where the arm is expected at `publish_time`: `measured` (float (A,), robot units, nan
     where not measured), taken at `stamp` (s, ROS time), plus the motion of the chunk it is
-    executing (`executing`: the last published chunk, with `times` (K,) s and `positions`
-    (K, A); None: none, the arm holds) between `stamp` and `publish_time`. The chunk's points
-    are linearly interpolated and held before its first and after its last point. Returns
-    float64 (A,); `measured` unchanged without a chunk, a non-finite stamp or publish_time
-    <= stamp."""
+    executing between `stamp` and `publish_time`, for the joints that follow it.
+
+    `executing`: the last published chunk (`times` (K,) s, `positions` (K, A), and `start`:
+    None or (time, positions (A,)) where the controller took it up), or None (none: the arm
+    holds). The chunk is linearly interpolated between its start and its points, and held
+    before and after them. A joint whose measurement is further than `tolerance` (robot
+    units, one float or (A,); None: no check) from the chunk at `stamp` does not follow it
+    and stays at its measurement.
+
+    Returns:
+        Anchor; its positions are `measured` unchanged without a chunk, with a non-finite
+        stamp, publish_time <= stamp, or a chunk of other joints.
+    """
     measured = np.asarray(measured, dtype=np.float64)
     if executing is None or len(executing.times) == 0 or not np.isfinite(stamp) \
             or not publish_time > stamp:
-        return measured
-    times, positions = executing.times, np.asarray(executing.positions, dtype=np.float64)
+        return Anchor(measured)
+    times, positions = _trajectory(executing)
     if positions.shape[1] != measured.shape[0]:
-        return measured
+        return Anchor(measured)
+    at_stamp = np.array([np.interp(stamp, times, positions[:, j])
+                         for j in range(positions.shape[1])])
     motion = np.array([np.interp(publish_time, times, positions[:, j])
-                       - np.interp(stamp, times, positions[:, j])
-                       for j in range(positions.shape[1])])
-    return measured + motion
+                       for j in range(positions.shape[1])]) - at_stamp
+    error = np.abs(measured - at_stamp)
+    following = np.ones(measured.shape, dtype=bool)
+    if tolerance is not None:
+        with np.errstate(invalid='ignore'):                      # nan: not measured
+            following = ~(error > np.asarray(tolerance, dtype=np.float64))
+    return Anchor(np.where(following, measured + motion, measured),
+                  tuple(int(j) for j in np.flatnonzero(~following)), error)
 
 
 def _per_joint(name: str, value: Limit) -> Optional[np.ndarray]:
@@ -109,20 +171,31 @@ class MotionLimiter:
         max_step: None, or the largest change per joint between consecutive points (and
             from the measured position to the first), robot units (float or (A,)); each > 0;
             inf for a joint without one.
+        tracking_tolerance: None, or per joint the largest |measured - the executing chunk
+            at the measurement's stamp| of a joint that follows the chunk (`anchor_at_publish`),
+            robot units (float or (A,)); each > 0; inf: always judged following. None:
+            max_velocity x TRACKING_WINDOW_S (inf where max_velocity is).
 
     Raises:
-        ValueError: max_velocity or max_step not > 0; limits of
+        ValueError: max_velocity, max_step or tracking_tolerance not > 0; limits of
             the wrong shape, nan, or min > max.
     """
 
     def __init__(self, max_velocity: Limit = np.inf, position_min: Limit = None,
-                 position_max: Limit = None, max_step: Limit = None) -> None:
+                 position_max: Limit = None, max_step: Limit = None,
+                 tracking_tolerance: Limit = None) -> None:
         velocity = _per_joint('max_velocity', np.inf if max_velocity is None else max_velocity)
         if not np.all(velocity > 0.0):
             raise ValueError(f'max_velocity must be > 0 (inf: no limit), got {velocity.tolist()}')
         step = _per_joint('max_step', max_step)
         if step is not None and not np.all(step > 0.0):
             raise ValueError(f'max_step must be > 0 (inf: no limit), got {step.tolist()}')
+        tolerance = _per_joint('tracking_tolerance', tracking_tolerance)
+        if tolerance is not None and not np.all(tolerance > 0.0):
+            raise ValueError(f'tracking_tolerance must be > 0 (inf: no check), got '
+                             f'{tolerance.tolist()}')
+        self.tracking_tolerance = velocity * TRACKING_WINDOW_S if tolerance is None \
+            else tolerance
         self.max_step = step
         lower = _per_joint('position_min', position_min)
         upper = _per_joint('position_max', position_max)
@@ -138,6 +211,18 @@ class MotionLimiter:
         if array is not None and array.ndim == 1 and array.shape[0] != joints:
             raise ValueError(f'{name} has {array.shape[0]} values but the chunk commands '
                              f'{joints} joints; give one value per commanded joint')
+
+    def anchor(self, measured: np.ndarray, stamp: float, publish_time: float,
+               executing) -> Anchor:
+        """`anchor_at_publish` with this limiter's tracking tolerance.
+
+        Raises:
+            ValueError: tracking_tolerance has not one value per joint of `measured`.
+        """
+        measured = np.asarray(measured, dtype=np.float64)
+        self._check('tracking_tolerance', self.tracking_tolerance, measured.shape[0])
+        return anchor_at_publish(measured, stamp, publish_time, executing,
+                                 self.tracking_tolerance)
 
     def limit(self, times: np.ndarray, positions: np.ndarray, measured: np.ndarray,
               publish_time: float) -> LimitedPoints:
@@ -169,7 +254,8 @@ class MotionLimiter:
         if measured.shape != (joints,):
             raise ValueError(f'measured must have one value per commanded joint ({joints}), '
                              f'got shape {measured.shape}')
-        for name in ('max_velocity', 'position_min', 'position_max', 'max_step'):
+        for name in ('max_velocity', 'position_min', 'position_max', 'max_step',
+                     'tracking_tolerance'):
             self._check(name, getattr(self, name), joints)
         if not (np.all(np.isfinite(times)) and np.all(np.isfinite(positions))):
             raise ValueError('times and positions must be finite')

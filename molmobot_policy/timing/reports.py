@@ -77,6 +77,9 @@ class ChunkReport:
             anchored joints, robot units (nan: none anchored, or no limiter).
         outside_limits: indices of the action joints measured outside their position limits
             (`timing.motion.LimitedPoints`).
+        not_following: indices of the action joints that did not follow the executing chunk
+            (measured further than their tracking tolerance from it): anchored at the
+            measurement (`timing.motion.anchor_at_publish`).
         instruction: the task text of its observation.
     """
 
@@ -94,6 +97,7 @@ class ChunkReport:
     position_clipped: int = 0
     start_offset: float = float('nan')
     outside_limits: tuple[int, ...] = ()
+    not_following: tuple[int, ...] = ()
     instruction: str = ''
 
 
