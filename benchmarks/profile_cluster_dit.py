@@ -29,10 +29,11 @@ from benchmark_fused_dit import build
 from molmobot_policy.runtime import cluster_dit
 
 PHASES = ['LN1 broadcast', 'q|k|v wait', 'q|k|v GEMM', 'cluster barrier', 'self-attention',
-          'self proj', 'exchange 1', 'residual 1', 'LN2 broadcast', 'cross q + barrier',
-          'K wait', 'scores + softmax', 'V wait', 'P V', 'cluster barrier', 'combine + barrier',
-          'cross proj', 'exchange 2', 'residual 2 + LN3', 'fc1 wait', 'fc1 + barrier', 'fc2',
-          'exchange 3 + residual 3']
+          'self proj', 'copies issued 1', 'exchange 1 (poll) + residual 1', 'LN2 broadcast',
+          'cross q + barrier', 'K wait', 'scores + softmax', 'V wait', 'P V', 'cluster barrier',
+          'combine + barrier', 'cross proj', 'copies issued 2',
+          'exchange 2 (poll) + residual 2 + LN3', 'fc1 wait', 'fc1 + barrier', 'fc2',
+          'copies issued 3 + exchange 3 (poll) + residual 3']
 MODES = {0: 'as served', 1: 'no streaming', 2: 'exchanges do not wait', 3: 'neither',
          4: 'copies issued empty'}
 

@@ -155,8 +155,11 @@ def schedule_model(step, x, mod, ctx, tables):
             return rstd * (acc - mean * u[n]) + v[n] + bias.float()
 
         def residual(partials, bias, gate):              # partials: H x (T, D), in head order
-            total = partials[0]
-            for p in partials[1:]:
+            par = (b + 1) & 1           # each float's lowest bit: its block's parity (the flag)
+            flagged = [((p.contiguous().view(torch.int32) & ~1) | par).view(torch.float32)
+                       for p in partials]
+            total = flagged[0]
+            for p in flagged[1:]:
                 total = total + p
             return x + mod[b, gate, 0].float() * (total + bias.float())
 

@@ -10,9 +10,11 @@
 //   q|k|v of head h: 4 or 5 of the head's 36 n-tiles of 8 columns (LayerNorm in the epilogue:
 //        rstd * (xm W^T - mean u) + v + b, u = W (1 + scale), v = W shift) -> every CTA;
 //   self-attention of head h (every CTA, redundantly, float32);
-//   proj: the head's partial o_h Wo[:, head]^T for output columns [r CW, (r+1) CW) -> global;
-//   exchange: CTA (h, r) waits for the 8 CTAs (*, r) (a counter per r), sums the 8 head
-//        partials in head order, x += gate1 * (sum + bias);
+//   proj: the head's partial o_h Wo[:, head]^T for output columns [r CW, (r+1) CW) -> global,
+//        each float with the block's parity in its lowest bit;
+//   exchange: CTA (h, r) polls the 8 head partials of its columns (from the CTAs (*, r)) until
+//        each value carries the block's parity, sums them in head order,
+//        x += gate1 * (sum + bias);
 //   LN2, cross q (1 or 2 n-tiles), cross-attention of head h over this CTA's eighth of the
 //        keys (flash-decoding partials), combined over the cluster; proj partial, exchange;
 //   LN3, fc1 + GELU: 48 of the cluster's 384 hidden units -> every CTA; fc2: the cluster's
@@ -94,8 +96,8 @@ struct Params {
     const bf16 *bq1, *bkv1, *bo1, *bq2, *bo2, *b1, *b2;
     const bf16 *kp, *vp;    // (nb, H, S * HD) packed cross-attention K / V
     const bf16 *mask_bias;  // (S,) additive
-    float *part;            // (3, H, MR, D) head partials of the three exchanges
-    unsigned *counters;     // R counters, 32 words apart, zero at launch
+    float *part;            // (3, H, MR, D) head partials of the three exchanges, each float's
+                            // lowest bit the parity of its block (b + 1) & 1; zero at launch
     long long *trace;       // null, or (H * R, nb, TRACE_POINTS) clock64 stamps (benchmarks)
     int T, S, nb, nkv, prefetch, mode;   // mode bits (benchmarks): 1 no streaming, 2 no exchange
                                          // waits, 4 copies issued empty
@@ -145,13 +147,22 @@ __device__ __forceinline__ void bulk_copy_to_peer(const void *src, unsigned byte
 __device__ __forceinline__ void prefetch_l2(const void *src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void red_release(unsigned *p) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p) : "memory");
+// a head partial's value pair with the parity bit par in the lowest bit of each float (a
+// relative change of at most 2^-23), stored with one 8-byte volatile store: its readers poll it
+__device__ __forceinline__ void store_flagged(float *dst, float a0, float a1, unsigned par) {
+    const unsigned u0 = (__float_as_uint(a0) & ~1u) | par, u1 = (__float_as_uint(a1) & ~1u) | par;
+    asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};\n" ::"l"(dst), "r"(u0), "r"(u1)
+                 : "memory");
 }
-__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint4 ld_volatile4(const float *src) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src) : "memory");
     return v;
+}
+// all four floats carry parity par (the block's partial has landed, not the block before's)
+__device__ __forceinline__ bool carries(uint4 v, unsigned par) {
+    return par ? (v.x & v.y & v.z & v.w & 1u) != 0 : ((v.x | v.y | v.z | v.w) & 1u) == 0;
 }
 __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0,
                                          uint32_t b1) {
@@ -465,43 +476,36 @@ __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// this CTA's partial is written: count it, and wait until the counter reaches target (all H
-// partials of these columns); side() runs on every thread meanwhile (thread 0 after its
-// arrival, before its wait)
-template <class Side>
-__device__ __forceinline__ void arrive_and_wait(unsigned *ctr, unsigned target, bool wait,
-                                                Side side) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        red_release(ctr);
-    }
-    side();
-    if (threadIdx.x == 0) {
-        while (wait && ld_acquire(ctr) < target) {
-        }
-    }
-    __syncthreads();
-}
-
 // x[:, r CW : (r+1) CW] += gate * (sum over heads of part[sub] + bias), rows < T; bias and
-// gate: this CTA's columns (shared memory)
+// gate: this CTA's columns (shared memory). Each thread polls its partials until every value
+// carries the block's parity par (wait false: benchmarks, whatever is there): a partial's
+// store is its own signal, so no counter, fence or block barrier stands between the
+// producer's store and this read. The parity of a slot alternates from block to block and a
+// producer rewrites a slot only after every reader of it has sent its next partial (which it
+// waited for), so a value of the block before is never taken for this block's.
 __device__ __forceinline__ void residual_update(const Params &p, int sub, int r, const bf16 *bias,
-                                                const bf16 *gate, float *xs) {
+                                                const bf16 *gate, float *xs, unsigned par,
+                                                bool wait) {
     const float *P = p.part + (size_t)sub * H * MR * D;
     for (int e = threadIdx.x; e < p.T * CW / 4; e += THREADS) {
         const int row = e / (CW / 4), c4 = (e % (CW / 4)) * 4, col = r * CW + c4;
-        float4 v[H];
+        uint4 v[H];
 #pragma unroll
-        for (int hh = 0; hh < H; ++hh)
-            v[hh] = __ldcg(reinterpret_cast<const float4 *>(P + ((size_t)hh * MR + row) * D + col));
-        float4 s = v[0];
+        for (int hh = 0; hh < H; ++hh) v[hh] = ld_volatile4(P + ((size_t)hh * MR + row) * D + col);
+        if (wait) {
+#pragma unroll
+            for (int hh = 0; hh < H; ++hh)
+                while (!carries(v[hh], par)) v[hh] = ld_volatile4(P + ((size_t)hh * MR + row) * D
+                                                                  + col);
+        }
+        float4 s = make_float4(__uint_as_float(v[0].x), __uint_as_float(v[0].y),
+                               __uint_as_float(v[0].z), __uint_as_float(v[0].w));
 #pragma unroll
         for (int hh = 1; hh < H; ++hh) {
-            s.x += v[hh].x;
-            s.y += v[hh].y;
-            s.z += v[hh].z;
-            s.w += v[hh].w;
+            s.x += __uint_as_float(v[hh].x);
+            s.y += __uint_as_float(v[hh].y);
+            s.z += __uint_as_float(v[hh].z);
+            s.w += __uint_as_float(v[hh].w);
         }
         const float sv[4] = {s.x, s.y, s.z, s.w};
         float *x = xs + row * CW + c4;
@@ -538,7 +542,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     const int j0 = r * QKV_NT / R, ntv = (r + 1) * QKV_NT / R - j0;      // q|k|v n-tiles
     const int q0 = r * Q2_NT / R, ntv2 = (r + 1) * Q2_NT / R - q0;       // cross q n-tiles
     const Stream st{&p, h, r, ipb, p.nb * ipb, g0, gr, ntv, ntv2};
-    unsigned *ctr = p.counters + r * 32;
     const bool exchange = !(p.mode & 2);
     int issued = ring.on ? 0 : st.total;
     uint64_t *lnbar = reinterpret_cast<uint64_t *>(smem + OFF_BARS) + RING;
@@ -557,10 +560,9 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     cluster.sync();                 // every CTA of the cluster runs before remote writes
     const bf16 zero = __float2bfloat16(0.f);
     // the epilogue of the three head partials: rows < T of this CTA's columns, float32
-    const auto store_partial = [T](float *part) {
-        return [T, part](int row, int col, float a0, float a1) {
-            if (row < T)
-                *reinterpret_cast<float2 *>(part + (size_t)row * D + col) = make_float2(a0, a1);
+    const auto store_partial = [T](float *part, unsigned par) {
+        return [T, part, par](int row, int col, float a0, float a1) {
+            if (row < T) store_flagged(part + (size_t)row * D + col, a0, a1, par);
         };
     };
     for (int b = 0; b < p.nb; ++b) {
@@ -568,6 +570,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         long long *trace = p.trace ? p.trace + ((size_t)blockIdx.x * p.nb + b) * TRACE_POINTS
                                    : nullptr;
         STAMP(0);
+        const unsigned par = (b + 1) & 1;       // of this block's partials (zeros: none yet)
         const unsigned char *ops = smem + OFF_OPS + (b & 1) * OP_BYTES;
         unsigned char *next_ops = smem + OFF_OPS + ((b + 1) & 1) * OP_BYTES;
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");     // block b's operands
@@ -650,14 +653,13 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         ring.wait(it0 + 5);
         ring.wait(it0 + 6);
         gemm<12, HD / 16, 4>(oh, LDH, ring, it0 + 5, 12, red,
-            store_partial(part0));
+            store_partial(part0, par));
         STAMP(6);
-        arrive_and_wait(ctr, H * (3 * b + 1), exchange, [&] {
-            issue_by(1, st, ring, issued, it0 + 7 + RING);
-            load_ops(p, b + 1, h, r, j0, ntv, q0, ntv2, next_ops);   // block b + 1's operands
-        });
+        // (the GEMM's last block barrier: its slots and block b - 1's operands are read)
+        issue_by(1, st, ring, issued, it0 + 7 + RING);
+        load_ops(p, b + 1, h, r, j0, ntv, q0, ntv2, next_ops);   // block b + 1's operands
         STAMP(7);
-        residual_update(p, 0, r, opb + OP_BO1 / 2, opb + OP_G1 / 2, xs);
+        residual_update(p, 0, r, opb + OP_BO1 / 2, opb + OP_G1 / 2, xs, par, exchange);
         STAMP(8);
         // ---- cross-attention
         ln_broadcast(xs, opb + OP_SC2 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 1) & 1);
@@ -822,13 +824,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         ring.wait(itw);
         ring.wait(itw + 1);
         gemm<12, HD / 16, 4>(oh, LDH, ring, itw, 12, red,
-            store_partial(part1));
+            store_partial(part1, par));
         STAMP(17);
-        arrive_and_wait(ctr, H * (3 * b + 2), exchange, [&] {
-            issue_by(1, st, ring, issued, itw + 2 + RING);
-        });
+        issue_by(1, st, ring, issued, itw + 2 + RING);
         STAMP(18);
-        residual_update(p, 1, r, opb + OP_BO2 / 2, opb + OP_G2 / 2, xs);
+        residual_update(p, 1, r, opb + OP_BO2 / 2, opb + OP_G2 / 2, xs, par, exchange);
         // ---- MLP
         ln_broadcast(xs, opb + OP_SC3 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 2) & 1);
         STAMP(19);
@@ -849,12 +849,10 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
         for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
         gemm<12, FH / 16, 4>(ah, LDA, ring, itw + 8, 12, red,
-            store_partial(part2));
+            store_partial(part2, par));
         STAMP(22);
-        arrive_and_wait(ctr, H * (3 * b + 3), exchange, [&] {
-            issue_by(1, st, ring, issued, itw + 14 + RING);
-        });
-        residual_update(p, 2, r, opb + OP_B2 / 2, opb + OP_G3 / 2, xs);
+        issue_by(1, st, ring, issued, itw + 14 + RING);
+        residual_update(p, 2, r, opb + OP_B2 / 2, opb + OP_G3 / 2, xs, par, exchange);
         STAMP(23);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -918,18 +916,20 @@ void step(torch::Tensor x_in, torch::Tensor out, torch::Tensor mod, torch::Tenso
           torch::Tensor wp, torch::Tensor bq1, torch::Tensor bkv1, torch::Tensor bo1,
           torch::Tensor bq2, torch::Tensor bo2, torch::Tensor b1, torch::Tensor b2,
           torch::Tensor kp, torch::Tensor vp, torch::Tensor mask_bias, torch::Tensor part,
-          torch::Tensor counters, c10::optional<torch::Tensor> trace, int64_t T, int64_t S,
+          c10::optional<torch::Tensor> trace, int64_t T, int64_t S,
           int64_t nb, int64_t nkv, int64_t prefetch, int64_t mode, double eps, double sm_scale) {
     for (const auto &x : {x_in, out, mod, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias})
         TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
                     "cluster_dit.step: bf16 contiguous CUDA tensors expected");
     TORCH_CHECK(tables.scalar_type() == torch::kFloat32 && part.scalar_type() == torch::kFloat32
-                && counters.scalar_type() == torch::kInt32, "cluster_dit.step: dtypes");
+                && part.is_contiguous() && part.numel() == 3 * cdit::H * cdit::MR * cdit::D,
+                "cluster_dit.step: part must be (3, H, 16, D) float32 contiguous");
     TORCH_CHECK(T >= 1 && T <= cdit::MR && S % 16 == 0 && nkv >= 1 && nkv <= cdit::MAX_KV_SLOTS,
                 "cluster_dit.step: T, S or nkv out of range");
     set_attributes();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(cudaMemsetAsync(counters.data_ptr(), 0, counters.numel() * 4, stream));
+    // zero partials carry parity 0, which block 0 (parity 1) never takes for its own
+    C10_CUDA_CHECK(cudaMemsetAsync(part.data_ptr(), 0, part.numel() * 4, stream));
     auto bp = [](const torch::Tensor &x) { return reinterpret_cast<const bf16 *>(x.data_ptr()); };
     cdit::Params p;
     p.x_in = bp(x_in);
@@ -941,7 +941,6 @@ void step(torch::Tensor x_in, torch::Tensor out, torch::Tensor mod, torch::Tenso
     p.b1 = bp(b1); p.b2 = bp(b2);
     p.kp = bp(kp); p.vp = bp(vp); p.mask_bias = bp(mask_bias);
     p.part = part.data_ptr<float>();
-    p.counters = reinterpret_cast<unsigned *>(counters.data_ptr());
     p.trace = trace.has_value() ? reinterpret_cast<long long *>(trace->data_ptr()) : nullptr;
     p.T = (int)T; p.S = (int)S; p.nb = (int)nb; p.nkv = (int)nkv; p.prefetch = (int)prefetch;
     p.mode = (int)mode;
