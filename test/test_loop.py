@@ -646,16 +646,18 @@ def test_a_joint_that_does_not_follow_the_executing_chunk_stays_at_its_measureme
     assert unchecked.not_following == ()
 
 
-def test_the_executing_chunk_runs_from_its_start_to_its_first_point():
-    """The controller takes a chunk up at its start (time, the arm's position then) and
-    moves to the first point by its time: the arm measured on that way follows it."""
+def test_a_measurement_before_the_chunks_first_point_is_not_judged():
+    """Until the executing chunk's first point the arm is on its way from where the chunk
+    took it up, and controllers differ there (ROS 1's and the demo's robot keep the previous
+    chunk's points due before it: a first version judged such arms stuck)."""
     from molmobot_policy.timing.chunking import StitchedChunk
     from molmobot_policy.timing.motion import anchor_at_publish
-    chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[1.0], [1.0]]), 0, 0,
-                          start=(9.0, np.array([0.0])))
-    anchor = anchor_at_publish(np.array([0.5]), 9.5, 9.75, chunk, tolerance=0.1)
-    assert anchor.not_following == ()
-    assert anchor.positions[0] == pytest.approx(0.75)
+    chunk = StitchedChunk(np.array([10.0, 11.0]), np.array([[1.0], [2.0]]), 0, 0)
+    anchor = anchor_at_publish(np.array([0.0]), 9.5, 10.5, chunk, tolerance=0.1)
+    assert anchor.not_following == () and np.isnan(anchor.tracking_error[0])
+    assert anchor.positions[0] == pytest.approx(0.5)         # moved along the chunk
+    late = anchor_at_publish(np.array([0.0]), 10.0, 10.5, chunk, tolerance=0.1)
+    assert late.not_following == (0,) and late.positions[0] == 0.0
 
 
 def test_an_arm_that_does_not_move_gets_first_points_within_reach_of_where_it_is():

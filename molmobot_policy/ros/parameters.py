@@ -149,7 +149,8 @@ PARAMETERS = {
         'the /joint_states stamp does not follow the chunks (controller rejecting them, a '
         'stop, a blocked arm): its next chunk starts from the measurement instead of the '
         'position predicted along that chunk (WARN naming it); empty: max_joint_velocity x '
-        '0.1 s; .inf: never judged', _DA, dynamic=True)),
+        '0.1 s; .inf: never judged (e.g. fingers that close on an object, where gripper_index '
+        'does not name them)', _DA, dynamic=True)),
     'joint_position_min': ([], descriptor(
         'per action joint lower position limit, robot units (rad); every published point is '
         'clipped to it and clipping is counted on /diagnostics, except while a joint measured '

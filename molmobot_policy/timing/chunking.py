@@ -46,16 +46,12 @@ class StitchedChunk:
         dropped: actions dropped from the front of the input chunk because their time
             was < now.
         first_index: index in the input chunk of the first kept action (== dropped).
-        start: None, or (time s, positions float64 (A,)) from which the controller runs it:
-            when it takes the chunk up at the latest and where the arm is expected then (set
-            once it is limited and published; `motion.anchor_at_publish` reads it).
     """
 
     times: np.ndarray
     positions: np.ndarray
     dropped: int
     first_index: int
-    start: Optional[tuple[float, np.ndarray]] = None
 
     def __len__(self) -> int:
         return int(self.times.shape[0])

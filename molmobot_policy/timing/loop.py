@@ -573,9 +573,9 @@ class PolicyLoop:
         """(send, the chunk as sent, `LimitedPoints` or None) of `stitched` limited from the
         arm's position predicted at `taken_at` (s, ROS time: when the controller takes it at
         the latest), committed as the stitcher's reference."""
-        limits, anchor = self._limit(stitched, measured, taken_at, executing)
-        if limits is not None:      # the controller runs it from where the arm is then
-            stitched = replace(stitched, positions=limits.positions, start=(taken_at, anchor))
+        limits = self._limit(stitched, measured, taken_at, executing)
+        if limits is not None:
+            stitched = replace(stitched, positions=limits.positions)
         self._stitcher.commit(stitched)         # the next chunk joins what is published
         return self._publish(stitched), stitched, limits
 
@@ -608,18 +608,17 @@ class PolicyLoop:
 
     def _limit(self, stitched: StitchedChunk, measured, taken_at: float,
                executing: Optional[StitchedChunk]):
-        """(The limiter's `LimitedPoints` for the stitched chunk taken by the controller at
-        `taken_at` at the latest, the arm's position expected then), or (None, None) without
-        a limiter; `measured` is what `self._measured()` returned, `executing` the chunk the
-        arm runs until then (`MotionLimiter.anchor`: moved along it where the arm follows
-        it)."""
+        """The limiter's `LimitedPoints` for the stitched chunk taken by the controller at
+        `taken_at` at the latest (None without a limiter); `measured` is what
+        `self._measured()` returned, `executing` the chunk the arm runs until then
+        (`MotionLimiter.anchor`: the measurement moved along it where the arm follows it)."""
         if self._limiter is None:
-            return None, None
+            return None
         positions, stamp = measured
         anchor = self._limiter.anchor(positions, stamp, taken_at, executing)
         limits = self._limiter.limit(stitched.times, stitched.positions, anchor.positions,
                                      taken_at)
-        return replace(limits, not_following=anchor.not_following), anchor.positions
+        return replace(limits, not_following=anchor.not_following)
 
     def _record(self, tick: Tick, observation: Observation, chunk: ActionChunk,
                 stitched: StitchedChunk, published: float, delay: Optional[DelayClues],

@@ -88,26 +88,13 @@ class Anchor:
         not_following: indices of the joints measured further than their tracking tolerance
             from the executing chunk at the measurement's stamp: anchored at the measurement.
         tracking_error: float64 (A,), |measured - the executing chunk at the stamp|, robot
-            units; nan where not measured or without an executing chunk.
+            units; nan where not measured or not judged (a stamp before the chunk's first
+            point); None without an executing chunk.
     """
 
     positions: np.ndarray
     not_following: tuple[int, ...] = ()
     tracking_error: Optional[np.ndarray] = None
-
-
-def _trajectory(executing) -> tuple[np.ndarray, np.ndarray]:
-    """(times (K',), positions (K', A)) the controller runs for `executing`: its start (the
-    time it was taken up and the arm's position then, where known) and its points."""
-    times = np.asarray(executing.times, dtype=np.float64)
-    positions = np.asarray(executing.positions, dtype=np.float64)
-    start = getattr(executing, 'start', None)
-    if start is not None and len(times) and start[0] < times[0] \
-            and np.shape(start[1]) == positions.shape[1:]:
-        origin = np.where(np.isfinite(start[1]), start[1], positions[0])
-        times = np.concatenate([[start[0]], times])
-        positions = np.concatenate([origin[None], positions])
-    return times, positions
 
 
 def anchor_at_publish(measured: np.ndarray, stamp: float, publish_time: float, executing,
@@ -116,12 +103,14 @@ def anchor_at_publish(measured: np.ndarray, stamp: float, publish_time: float, e
     where not measured), taken at `stamp` (s, ROS time), plus the motion of the chunk it is
     executing between `stamp` and `publish_time`, for the joints that follow it.
 
-    `executing`: the last published chunk (`times` (K,) s, `positions` (K, A), and `start`:
-    None or (time, positions (A,)) where the controller took it up), or None (none: the arm
-    holds). The chunk is linearly interpolated between its start and its points, and held
-    before and after them. A joint whose measurement is further than `tolerance` (robot
-    units, one float or (A,); None: no check) from the chunk at `stamp` does not follow it
-    and stays at its measurement.
+    `executing`: the last published chunk (`times` (K,) s, `positions` (K, A)), or None (none:
+    the arm holds). Its points are linearly interpolated and held before the first and after
+    the last. A joint measured at or after the chunk's first point further than `tolerance`
+    (robot units, one float or (A,); None: no check) from the chunk at `stamp` does not
+    follow it and stays at its measurement. A measurement before the first point is not
+    judged: until then the arm is on its way from where the chunk took it up, and controllers
+    differ there (ros2_control's moves to the first point, ROS 1's and the demo's robot keep
+    the previous chunk's points due before it).
 
     Returns:
         Anchor; its positions are `measured` unchanged without a chunk, with a non-finite
@@ -131,17 +120,18 @@ def anchor_at_publish(measured: np.ndarray, stamp: float, publish_time: float, e
     if executing is None or len(executing.times) == 0 or not np.isfinite(stamp) \
             or not publish_time > stamp:
         return Anchor(measured)
-    times, positions = _trajectory(executing)
+    times, positions = executing.times, np.asarray(executing.positions, dtype=np.float64)
     if positions.shape[1] != measured.shape[0]:
         return Anchor(measured)
     at_stamp = np.array([np.interp(stamp, times, positions[:, j])
                          for j in range(positions.shape[1])])
     motion = np.array([np.interp(publish_time, times, positions[:, j])
                        for j in range(positions.shape[1])]) - at_stamp
-    error = np.abs(measured - at_stamp)
+    error = np.abs(measured - at_stamp) if stamp >= times[0] \
+        else np.full(measured.shape, np.nan)
     following = np.ones(measured.shape, dtype=bool)
     if tolerance is not None:
-        with np.errstate(invalid='ignore'):                      # nan: not measured
+        with np.errstate(invalid='ignore'):         # nan: not measured, or not judged
             following = ~(error > np.asarray(tolerance, dtype=np.float64))
     return Anchor(np.where(following, measured + motion, measured),
                   tuple(int(j) for j in np.flatnonzero(~following)), error)
