@@ -165,24 +165,27 @@ class LoopReport(LoopEvents):
             if not self._printed('INFO', again):
                 self._log().info(again)
         if report.outside_limits:
-            names = list(self._node.get_parameter('action_joint_names').value)
-            joints = [names[j] if j < len(names) else j for j in report.outside_limits]
-            warning = (f'chunk {report.count}: action joints {joints} are measured outside '
+            warning = (f'chunk {report.count}: action joints '
+                       f'{self._action_joints(report.outside_limits)} are measured outside '
                        'joint_position_min / joint_position_max: their points ramp back in at '
                        'max_joint_velocity and stay outside the limits until they are in (no '
                        'step into the range)')
             if not self._printed('WARN', warning):
                 self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
-        if report.not_following:
-            names = list(self._node.get_parameter('action_joint_names').value)
-            joints = [names[j] if j < len(names) else j for j in report.not_following]
-            warning = (f'chunk {report.count}: action joints {joints} do not follow the '
+        if report.not_following:       # (its own call site: rclpy throttles per site)
+            warning = (f'chunk {report.count}: action joints '
+                       f'{self._action_joints(report.not_following)} do not follow the '
                        'published chunks (measured further than tracking_tolerance from where '
                        'the chunk the arm executes had them at the joint state\'s stamp): '
                        'their first points are anchored at the measurement. Is the controller '
                        'taking the chunks (its log), the arm held by a stop or blocked?')
             if not self._printed('WARN', warning):
                 self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
+
+    def _action_joints(self, indices) -> list:
+        """The action_joint_names of `indices` (an index where the list is shorter)."""
+        names = list(self._node.get_parameter('action_joint_names').value)
+        return [names[j] if j < len(names) else j for j in indices]
 
 
 def print_log(name: str, severity: str, message: str) -> None:
