@@ -452,7 +452,8 @@ def test_the_motion_limiter_takes_tracking_tolerance_except_for_the_gripper():
     tolerance = motion_limiter(_values(tracking_tolerance=[0.3],
                                        gripper_index=6)).tracking_tolerance
     assert tolerance[:6].tolist() == [0.3] * 6 and tolerance[6] == float('inf')
-    with pytest.raises(ValueError, match='tracking_tolerance must be > 0'):
+    with pytest.raises(ValueError, match=r"parameter 'tracking_tolerance': \[0.0\] must be > 0 "
+                                         r'\(inf: no check\)$'):
         motion_limiter(_values(tracking_tolerance=[0.0]))
 
 
@@ -551,9 +552,10 @@ def test_the_action_joints_with_an_infinite_velocity_limit_are_named_but_the_gri
 
 
 @pytest.mark.parametrize('changes, message', [
-    ({'max_joint_velocity': [0.0]}, 'max_joint_velocity must be > 0 (inf: no limit)'),
+    ({'max_joint_velocity': [0.0]},
+     "parameter 'max_joint_velocity': [0.0] must be > 0 (inf: no limit)"),
     ({'joint_position_min': [1.0], 'joint_position_max': [0.0]},
-     'joint_position_min must be <= joint_position_max per joint'),
+     "parameter 'joint_position_min': [1.0] must be <= joint_position_max per joint"),
 ])
 def test_a_bad_motion_limit_is_named_by_its_parameter_alone(changes, message):
     from molmobot_policy.ros.parameters import motion_limiter

@@ -119,8 +119,46 @@ def test_joints_that_do_not_follow_the_chunks_are_warned_by_name():
                            observation_age_ms=1.0, inference_ms=1.0, publish_jitter_ms=0.0,
                            positions=np.zeros((2, 2)), dropped=0, count=1,
                            not_following=not_following)
+    clock = _Clock()
+    report._repeats = RepeatedLines(clock)
     report.published(chunk(()))
     assert warnings == []
     report.published(chunk((1,)))
     assert len(warnings) == 1 and "['elbow'] do not follow the published chunks" in warnings[0]
     assert 'tracking_tolerance' in warnings[0]
+
+
+def test_the_not_following_warning_backs_off_whichever_joints_it_names():
+    """A fresh-user trial with an arm that never moved: the line came every other chunk for
+    as long as it ran, naming other joints each time."""
+    import numpy as np
+
+    from molmobot_policy.timing.reports import ChunkReport
+    warnings = []
+    node = SimpleNamespace(
+        context=SimpleNamespace(ok=lambda: True), get_name=lambda: 'p',
+        get_fully_qualified_name=lambda: '/p', chunks_published_total=0,
+        get_logger=lambda: SimpleNamespace(info=lambda m, **kw: None,
+                                           warning=lambda m, **kw: warnings.append(m)),
+        get_parameter=lambda name: SimpleNamespace(value=['shoulder', 'elbow']))
+    report = LoopReport(node, chunk_info=SimpleNamespace(publish=lambda message: None),
+                        sync=SimpleNamespace(last_build_decoded=0, last_build_decode_s=0.0),
+                        watchdog=SimpleNamespace(published=lambda now: None),
+                        now=lambda: 0.0)
+    clock = _Clock()
+    report._repeats = RepeatedLines(clock)
+
+    def chunk(count, not_following):
+        return ChunkReport(tick=count, observation_seq=count, observation_stamp=0.0,
+                           observation_age_ms=1.0, inference_ms=1.0, publish_jitter_ms=0.0,
+                           positions=np.zeros((2, 2)), dropped=0, count=count,
+                           not_following=not_following)
+    for count in range(134):                    # 200 s of a chunk every 1.5 s
+        report.published(chunk(count, ((0,), (1,), (0, 1))[count % 3]))
+        clock.t += 1.5
+    assert len(warnings) < BACKOFF_AFTER_S / WARN_THROTTLE_S + 200 / REPEAT_S + 2
+    assert 'unchanged for' in warnings[-1]
+    report.published(chunk(134, ()))            # the arm follows again ...
+    clock.t += 1.5
+    report.published(chunk(135, (0,)))          # ... and stops again: told anew
+    assert warnings[-1].startswith('chunk 135:') and 'unchanged' not in warnings[-1]

@@ -14,7 +14,7 @@ JOINTS = ('joint_a', 'joint_b', 'finger')
 
 
 def _image(value, encoding='rgb8', height=2, width=3):
-    channels = {'rgb8': 3, 'bgr8': 3, 'mono8': 1}[encoding]
+    channels = {'rgb8': 3, 'bgr8': 3, 'mono8': 1, 'yuv422': 2}[encoding]
     return SimpleNamespace(height=height, width=width, encoding=encoding,
                            step=width * channels, data=bytes([value]) * (height * width * channels))
 
@@ -555,6 +555,19 @@ def test_a_camera_shrinking_below_min_image_size_is_told_refused_not_resized(cap
     assert [r.getMessage() for r in caplog.records] == [
         f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to rgb8 1x1; frames smaller than '
         'min_image_size 2x2 are refused']
+
+
+def test_a_camera_changing_to_an_unsupported_encoding_is_told_refused_not_resized(caplog):
+    """A fresh-user trial: a camera switched to yuv422 was told 'resized as they come' while
+    its frames were refused."""
+    from molmobot_policy.ros.codec import SUPPORTED_ENCODINGS
+    sync = _sync()
+    with caplog.at_level('WARNING', logger='molmobot_policy.inputs'):
+        sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+        sync.add_image(CAMERAS[0], _image(1, 'yuv422'), 10.1, 10.1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f'camera {CAMERAS[0]}: frames changed from rgb8 2x3 to yuv422 2x3; frames of encoding '
+        f"'yuv422' are refused (supported: {list(SUPPORTED_ENCODINGS)})"]
 
 
 def test_a_second_layout_change_within_the_interval_is_told_when_it_ends(caplog):

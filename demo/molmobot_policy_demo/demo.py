@@ -251,9 +251,10 @@ class Monitor:
                      f'publish jitter over all {reported} chunks: {_percentiles(self.jitter_ms)} '
                      "(/diagnostics' schedule status: over the node's last chunks only)",
                      'diagnostics at WARN/ERROR at the end: ' + (
-                         '(inference is WARN because the demo serves random weights; on a '
-                         'small, busy CPU the tiny model can also exceed the latency and '
-                         'jitter thresholds of config/policy_tiny.yaml)' if not_ok else 'none')]
+                         '(inference is WARN for the random weights the demo serves, ERROR '
+                         'where the tiny model\'s p99 exceeds diag_inference_error_ms: on a '
+                         'small, busy CPU it can exceed the latency and jitter thresholds of '
+                         'config/policy_tiny.yaml)' if not_ok else 'none')]
             names = {1: 'WARN', 2: 'ERROR', 3: 'STALE'}     # diagnostic_msgs/DiagnosticStatus
             lines += [f'  {name} ({names.get(self.diagnostics_levels[name], "level ?")}): '
                       f'{self.diagnostics_messages.get(name, "")}' for name in not_ok]

@@ -602,7 +602,13 @@ def motion_limiter(parameter) -> MotionLimiter:
                              ('position_min', 'joint_position_min'),
                              ('position_max', 'joint_position_max')):
             message = re.sub(rf'(?<![a-z_]){inner}\b', outer, message)
-        raise ValueError(message) from None
+        name, _, expected = message.partition(' ')
+        if name not in ('max_joint_velocity', 'max_step', 'tracking_tolerance',
+                        'joint_position_min', 'joint_position_max'):
+            raise ValueError(message) from None
+        if expected.startswith('must be > 0'):      # its ', got' is the value per joint
+            expected = expected.split(', got ')[0]
+        raise ParameterError(name, as_written(parameter(name)), expected) from None
 
 
 def camera_subscriptions(parameter) -> list[tuple[str, bool]]:

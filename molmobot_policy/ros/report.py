@@ -54,6 +54,11 @@ class RepeatedLines:
             return (f' (unchanged for {lasted:.0f} s, {state[3]} times; logged every '
                     f'{REPEAT_S:.0f} s)')
 
+    def forget(self, key: str) -> None:
+        """`key`'s warning has stopped: when it comes again, it starts over."""
+        with self._lock:
+            self._state.pop(key, None)
+
 
 class LoopReport(LoopEvents):
     """Args:
@@ -172,15 +177,20 @@ class LoopReport(LoopEvents):
                        'step into the range)')
             if not self._printed('WARN', warning):
                 self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
-        if report.not_following:       # (its own call site: rclpy throttles per site)
+        if not report.not_following:
+            self._repeats.forget('not_following')
+            return
+        # paced as one line whichever joints it names (they change from chunk to chunk)
+        suffix = self._repeats.due('not_following', 'action joints do not follow')
+        if suffix is not None:
             warning = (f'chunk {report.count}: action joints '
                        f'{self._action_joints(report.not_following)} do not follow the '
                        'published chunks (measured further than tracking_tolerance from where '
                        'the chunk the arm executes had them at the joint state\'s stamp): '
                        'their first points are anchored at the measurement. Is the controller '
-                       'taking the chunks (its log), the arm held by a stop or blocked?')
+                       f'taking the chunks (its log), the arm held by a stop or blocked?{suffix}')
             if not self._printed('WARN', warning):
-                self._log().warning(warning, throttle_duration_sec=WARN_THROTTLE_S)
+                self._log().warning(warning)
 
     def _action_joints(self, indices) -> list:
         """The action_joint_names of `indices` (an index where the list is shorter)."""

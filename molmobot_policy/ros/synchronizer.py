@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from molmobot_policy.preprocess.transforms import repeated
-from molmobot_policy.ros.codec import decode_image
+from molmobot_policy.ros.codec import SUPPORTED_ENCODINGS, decode_image
 from molmobot_policy.types import Observation
 
 
@@ -313,6 +313,11 @@ class ObservationSynchronizer:
                     f'line and are {layout} again')
         more = f' ({count} changes since the last such line)' if count > 1 else ''
         min_h, min_w = self.min_image_size
+        encoding = getattr(msg, 'encoding', None)
+        if encoding is not None and encoding not in SUPPORTED_ENCODINGS:
+            return (f'camera {topic}: frames changed from {told} to {layout}{more}; frames '
+                    f'of encoding {encoding!r} are refused (supported: '
+                    f'{list(SUPPORTED_ENCODINGS)})')
         if getattr(msg, 'height', min_h) < min_h or getattr(msg, 'width', min_w) < min_w:
             return (f'camera {topic}: frames changed from {told} to {layout}{more}; frames '
                     f'smaller than min_image_size {min_h}x{min_w} are refused')
