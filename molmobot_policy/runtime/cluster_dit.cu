@@ -79,8 +79,12 @@ constexpr int RED_BYTES = 12288;
 constexpr int OFF_MRS = OFF_RED + RED_BYTES;            // float 2 x MR
 constexpr int OFF_OPS = OFF_MRS + 2 * MR * 4;           // 2 x OP_BYTES
 constexpr int OFF_MB = OFF_OPS + 2 * OP_BYTES;          // bf16 KEYMAX: this CTA's mask bias
-constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN barrier
-constexpr int SMEM_BYTES = OFF_BARS + (RING + 1) * 8;
+constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN, combine
+constexpr int SMEM_BYTES = OFF_BARS + (RING + 3) * 8;   // and o_h barriers
+// bytes the cross-attention's combine barrier awaits from the R - 1 peers (row max and sum of
+// each row, the partials of this CTA's OD dims), and the o_h barrier (their combined dims)
+constexpr unsigned COMBINE_TX = (R - 1) * (MR * 8 + MR * OD * 4);
+constexpr unsigned OH_TX = (R - 1) * MR * OD * 2;
 static_assert(MR * LDP * 2 <= MR * LDA * 2, "probabilities must fit in ah");
 static_assert(XB_ROWS_BYTES % 16 == 0 && XB_BYTES % 16 == 0, "bulk copies of 16-byte units");
 static_assert(OFF_XA % 128 == 0 && OFF_RED % 16 == 0 && OFF_OPS % 16 == 0 && OFF_BARS % 8 == 0,
@@ -123,6 +127,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
                      : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     } while (!done);
 }
+// the same, acquiring at cluster scope: what peers stored with st.async before completing it
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64"
+                     " p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes,
                                           uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -143,6 +156,20 @@ __device__ __forceinline__ void bulk_copy_to_peer(const void *src, unsigned byte
     asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
                  " [%0], [%1], %2, [%3];\n" ::"r"(mapa(s, rank)), "r"(s), "r"(bytes),
                  "r"(mapa(smem_u32(bar), rank)) : "memory");
+}
+// 4 or 8 bytes into the same offset of CTA rank's shared memory, completing on that CTA's
+// barrier bar (the same offset as ours): the reader waits for the bytes, not for a cluster
+// barrier
+__device__ __forceinline__ void st_async(void *dst, uint32_t v, uint64_t *bar, unsigned rank) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
+                 ::"r"(mapa(smem_u32(dst), rank)), "r"(v), "r"(mapa(smem_u32(bar), rank))
+                 : "memory");
+}
+__device__ __forceinline__ void st_async(void *dst, float a, float b, uint64_t *bar,
+                                         unsigned rank) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2},"
+                 " [%3];\n" ::"r"(mapa(smem_u32(dst), rank)), "r"(__float_as_uint(a)),
+                 "r"(__float_as_uint(b)), "r"(mapa(smem_u32(bar), rank)) : "memory");
 }
 __device__ __forceinline__ void prefetch_l2(const void *src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
@@ -545,8 +572,9 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     const bool exchange = !(p.mode & 2);
     int issued = ring.on ? 0 : st.total;
     uint64_t *lnbar = reinterpret_cast<uint64_t *>(smem + OFF_BARS) + RING;
+    uint64_t *cabar = lnbar + 1, *ohbar = lnbar + 2;      // one phase per block each
     if (tid == 0) {
-        for (int s = 0; s < RING + 1; ++s) mbar_init(ring.bars + s, 1);
+        for (int s = 0; s < RING + 3; ++s) mbar_init(ring.bars + s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -766,9 +794,10 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 float mx = wmax[tid];
 #pragma unroll
                 for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, wmax[w * MR + tid]);
+                inml[r * MR + tid] = make_float2(mx, l);
 #pragma unroll
                 for (int dst = 0; dst < R; ++dst)
-                    cluster.map_shared_rank(inml, dst)[r * MR + tid] = make_float2(mx, l);
+                    if (dst != r) st_async(inml + r * MR + tid, mx, l, cabar, dst);
             }
             STAMP(12);
             for (int i = 0; i < nkv; ++i) ring.wait(itv + i);
@@ -783,19 +812,27 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                     mma16816(acc, a, bb.x, bb.y);
                 }
                 const int col = j * 8 + 2 * t, owner = col / OD, oc = col % OD;
-                float *dst = cluster.map_shared_rank(inbox, owner) + (r * MR + g) * OD + oc;
-                *reinterpret_cast<float2 *>(dst) = make_float2(acc[0], acc[1]);
-                *reinterpret_cast<float2 *>(dst + 8 * OD) = make_float2(acc[2], acc[3]);
+                float *dst = inbox + (r * MR + g) * OD + oc;
+                if (owner == r) {
+                    *reinterpret_cast<float2 *>(dst) = make_float2(acc[0], acc[1]);
+                    *reinterpret_cast<float2 *>(dst + 8 * OD) = make_float2(acc[2], acc[3]);
+                } else {
+                    st_async(dst, acc[0], acc[1], cabar, owner);
+                    st_async(dst + 8 * OD, acc[2], acc[3], cabar, owner);
+                }
             }
-            __syncthreads();
+            __syncthreads();        // (this CTA's own partials and row sums: plain stores)
             STAMP(14);
         }
-        cluster_arrive();           // (its release orders the pushes above)
         issue_by(0, st, ring, issued, it0 + 9 + 2 * nkv + RING);   // K and V read (sync above)
-        cluster_wait();
-        STAMP(15);
-        // combine the 8 partials of my OD dims (fixed order), to every CTA's o_h
+        // combine the 8 partials of my OD dims (fixed order), to every CTA's o_h, once the
+        // peers' partials have landed (the combine barrier: one phase per block; a peer
+        // sends block b + 1's only after this CTA's LayerNorm slice of b + 1, so after this
+        // combine)
+        if (tid == 0) mbar_expect_tx(cabar, COMBINE_TX);
         if (tid < MR * OD / 2) {
+            mbar_wait_cluster(cabar, b & 1);
+            STAMP(15);
             const int row = tid / (OD / 2), d = 2 * (tid % (OD / 2));
             float mx = inml[row].x;
 #pragma unroll
@@ -810,14 +847,17 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 o0 += w * o.x;
                 o1 += w * o.y;
             }
-            const __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(o0 / den, o1 / den)
-                                             : __nv_bfloat162(zero, zero);
+            __nv_bfloat162 y = row < T ? __floats2bfloat162_rn(o0 / den, o1 / den)
+                                       : __nv_bfloat162(zero, zero);
+            bf16 *mine = oh + row * LDH + r * OD + d;
+            *reinterpret_cast<__nv_bfloat162 *>(mine) = y;
 #pragma unroll
             for (int dst = 0; dst < R; ++dst)
-                *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(oh, dst) + row * LDH
-                                                    + r * OD + d) = y;
+                if (dst != r) st_async(mine, *reinterpret_cast<uint32_t *>(&y), ohbar, dst);
         }
-        cluster.sync();
+        if (tid == 0) mbar_expect_tx(ohbar, OH_TX);
+        mbar_wait_cluster(ohbar, b & 1);    // the peers' dims of o_h
+        __syncthreads();            // and this CTA's own
         STAMP(16);
         const int itw = it0 + 9 + 2 * nkv;                      // wo2, w1, w2 from here
         float *part1 = p.part + (size_t)(H + h) * MR * D + r * CW;
