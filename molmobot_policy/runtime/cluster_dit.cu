@@ -16,7 +16,8 @@
 //        each value carries the block's parity, sums them in head order,
 //        x += gate1 * (sum + bias);
 //   LN2, cross q (1 or 2 n-tiles), cross-attention of head h over this CTA's eighth of the
-//        keys (flash-decoding partials), combined over the cluster; proj partial, exchange;
+//        keys (flash-decoding partials), combined over the cluster (each CTA's 12 dims from
+//        the peers' st.async stores, awaited on its mbarrier); proj partial, exchange;
 //   LN3, fc1 + GELU: 48 of the cluster's 384 hidden units -> every CTA; fc2: the cluster's
 //        partial over its 384 hidden units for columns [r CW, (r+1) CW) -> global; exchange.
 // Weights and cached K/V stream through a ring of shared-memory slots by bulk asynchronous

@@ -14,7 +14,10 @@ and the rest inside clusters, through distributed shared memory (a cluster barri
 - the small parts are recomputed, not exchanged: every cluster forms its LayerNorm inputs
   from its copy of x (row statistics shared inside the cluster), every CTA of a cluster runs
   its head's 16-token self-attention; the cross-attention runs over the head's keys split in
-  eighths, its flash-decoding partials combined inside the cluster.
+  eighths, its flash-decoding partials combined inside the cluster: each CTA owns 12 of the
+  head's 96 dims, its peers store their partials of those dims into its shared memory with
+  `st.async`, which counts the bytes on its mbarrier, and it waits for the bytes (not for a
+  cluster barrier), then sends its combined dims to every peer the same way.
 - the three sums over heads (self-attention proj, cross-attention proj, fc2 over each
   cluster's 384 hidden units) go through global memory: CTA (h, r) writes its head's partial
   of output columns [96 r, 96 (r + 1)), and reads the 8 partials of its own columns (from the
