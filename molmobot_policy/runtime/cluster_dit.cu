@@ -80,12 +80,16 @@ constexpr int RED_BYTES = 12288;
 constexpr int OFF_MRS = OFF_RED + RED_BYTES;            // float 2 x MR
 constexpr int OFF_OPS = OFF_MRS + 2 * MR * 4;           // 2 x OP_BYTES
 constexpr int OFF_MB = OFF_OPS + 2 * OP_BYTES;          // bf16 KEYMAX: this CTA's mask bias
-constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN, combine
-constexpr int SMEM_BYTES = OFF_BARS + (RING + 3) * 8;   // and o_h barriers
+constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN, combine,
+constexpr int SMEM_BYTES = OFF_BARS + (RING + 6) * 8;   // o_h, q|k|v, cross q and fc1 barriers
 // bytes the cross-attention's combine barrier awaits from the R - 1 peers (row max and sum of
 // each row, the partials of this CTA's OD dims), and the o_h barrier (their combined dims)
 constexpr unsigned COMBINE_TX = (R - 1) * (MR * 8 + MR * OD * 4);
 constexpr unsigned OH_TX = (R - 1) * MR * OD * 2;
+// and the GEMM outputs broadcast to every CTA: all but this CTA's n-tiles (256 bytes each)
+__host__ __device__ constexpr unsigned broadcast_tx(int n_tiles, int mine) {
+    return (unsigned)(n_tiles - mine) * MR * 8 * 2;
+}
 static_assert(MR * LDP * 2 <= MR * LDA * 2, "probabilities must fit in ah");
 static_assert(XB_ROWS_BYTES % 16 == 0 && XB_BYTES % 16 == 0, "bulk copies of 16-byte units");
 static_assert(OFF_XA % 128 == 0 && OFF_RED % 16 == 0 && OFF_OPS % 16 == 0 && OFF_BARS % 8 == 0,
@@ -421,14 +425,24 @@ __device__ __forceinline__ float2 layer_norm_epilogue(float a0, float a1, int co
                        rstd * (a1 - mean * u[col + 1]) + v[col + 1] + bf(bias, col + 1));
 }
 
-// a column pair (zero where keep is false: rows >= T) into every CTA's copy of buf, at offset
-__device__ __forceinline__ void broadcast_pair(cg::cluster_group &cluster, bf16 *buf, int offset,
-                                               float y0, float y1, bool keep) {
-    const __nv_bfloat162 y = keep ? __floats2bfloat162_rn(y0, y1)
-                                  : __floats2bfloat162_rn(0.f, 0.f);
+// a column pair (zero where keep is false: rows >= T) into every CTA's copy of buf, at offset:
+// this CTA's by a plain store, the peers' by st.async counted on their barrier bar
+__device__ __forceinline__ void broadcast_pair(bf16 *buf, int offset, float y0, float y1,
+                                               bool keep, uint64_t *bar, int r) {
+    __nv_bfloat162 y = keep ? __floats2bfloat162_rn(y0, y1) : __floats2bfloat162_rn(0.f, 0.f);
+    *reinterpret_cast<__nv_bfloat162 *>(buf + offset) = y;
 #pragma unroll
     for (int dst = 0; dst < R; ++dst)
-        *reinterpret_cast<__nv_bfloat162 *>(cluster.map_shared_rank(buf, dst) + offset) = y;
+        if (dst != r) st_async(buf + offset, *reinterpret_cast<uint32_t *>(&y), bar, dst);
+}
+
+// the peers' bytes of a broadcast GEMM output (this CTA's own stores are ordered by the
+// GEMM's last block barrier). It also orders the reuse of the LayerNorm blocks in xa: a peer
+// sends its next slice only after it waited here for this CTA's bytes, which this CTA sends
+// after its k-loop read xa
+__device__ __forceinline__ void await_broadcast(uint64_t *bar, unsigned bytes, unsigned parity) {
+    if (threadIdx.x == 0) mbar_expect_tx(bar, bytes);
+    mbar_wait_cluster(bar, parity);
 }
 
 // xm = x * (1 + scale) of this CTA's columns (bf16) and their row sums / sums of squares
@@ -437,8 +451,8 @@ __device__ __forceinline__ void broadcast_pair(cg::cluster_group &cluster, bf16 
 // bulk copy each, completing on their LN barrier; waits for the R - 1 blocks coming in (phase
 // parity of this LayerNorm: the kernel's LayerNorms alternate it). Then the row statistics
 // (mean, 1 / std) from all blocks into mrs. No cluster barrier: a block is overwritten only
-// after the cluster barrier that follows each LayerNorm-fed GEMM (every CTA has read its xa and
-// every copy into it has landed).
+// after the wait that follows each LayerNorm-fed GEMM (`await_broadcast`: every peer sent its
+// bytes after its k-loop read its xa, which it began once every copy into it had landed).
 __device__ __forceinline__ void ln_broadcast(const float *xs, const bf16 *scale,
                                              unsigned char *xab, float *mrs, int r, float eps,
                                              uint64_t *bar, unsigned parity) {
@@ -495,14 +509,6 @@ __device__ __forceinline__ void ln_broadcast(const float *xs, const bf16 *scale,
     // the next GEMM's __syncthreads (before its epilogue) orders mrs
 }
 
-// the cluster barrier in two halves: work between them (the stream's next copies) does not
-// hold the other CTAs back
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 
 // x[:, r CW : (r+1) CW] += gate * (sum over heads of part[sub] + bias), rows < T; bias and
 // gate: this CTA's columns (shared memory). Each thread polls its partials until every value
@@ -574,8 +580,9 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     int issued = ring.on ? 0 : st.total;
     uint64_t *lnbar = reinterpret_cast<uint64_t *>(smem + OFF_BARS) + RING;
     uint64_t *cabar = lnbar + 1, *ohbar = lnbar + 2;      // one phase per block each
+    uint64_t *qkvbar = lnbar + 3, *q2bar = lnbar + 4, *ahbar = lnbar + 5;
     if (tid == 0) {
-        for (int s = 0; s < RING + 3; ++s) mbar_init(ring.bars + s, 1);
+        for (int s = 0; s < RING + 6; ++s) mbar_init(ring.bars + s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -617,12 +624,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_QU / 4,
                                                      opf + OP_QV / 4, opb + OP_QB / 2, mrs[row],
                                                      mrs[MR + row]);
-                broadcast_pair(cluster, qkv, row * LDQKV + part * HD + w, y.x, y.y, row < T);
+                broadcast_pair(qkv, row * LDQKV + part * HD + w, y.x, y.y, row < T, qkvbar, r);
             });
         STAMP(3);
-        cluster_arrive();
         issue_by(0, st, ring, issued, it0 + 5 + RING);
-        cluster_wait();
+        await_broadcast(qkvbar, broadcast_tx(QKV_NT, ntv), b & 1);
         STAMP(4);
         {   // softmax(q k^T / sqrt(hd)) v of head h (mma; probabilities rounded to bf16 as the
             // reference does); every token sees every token
@@ -700,12 +706,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_CU / 4,
                                                      opf + OP_CV / 4, opb + OP_CB / 2, mrs[row],
                                                      mrs[MR + row]);
-                broadcast_pair(cluster, q2, row * LDH + w, y.x * p.sm_scale, y.y * p.sm_scale,
-                               row < T);
+                broadcast_pair(q2, row * LDH + w, y.x * p.sm_scale, y.y * p.sm_scale, row < T,
+                               q2bar, r);
             });
-        cluster_arrive();
         issue_by(0, st, ring, issued, it0 + 9 + RING);
-        cluster_wait();
+        await_broadcast(q2bar, broadcast_tx(Q2_NT, ntv2), b & 1);
         STAMP(10);
         {   // this CTA's keys [g0 16, (g0 + gr) 16): scores, row max / sum, P V (unnormalized)
             const int itk = it0 + 9, itv = it0 + 9 + nkv;
@@ -880,12 +885,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const float2 y = layer_norm_epilogue(a0, a1, col, opf + OP_FU / 4,
                                                      opf + OP_FV / 4, opb + OP_FB / 2, mrs[row],
                                                      mrs[MR + row]);
-                broadcast_pair(cluster, ah, row * LDA + r * FW + col, gelu(y.x), gelu(y.y),
-                               row < T);
+                broadcast_pair(ah, row * LDA + r * FW + col, gelu(y.x), gelu(y.y), row < T,
+                               ahbar, r);
             });
-        cluster_arrive();
         issue_by(0, st, ring, issued, itw + 8 + RING);
-        cluster_wait();
+        await_broadcast(ahbar, broadcast_tx(FH / 8, FW / 8), b & 1);
         STAMP(21);
         float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
         for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
