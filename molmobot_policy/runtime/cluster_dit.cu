@@ -20,6 +20,8 @@
 //        the peers' st.async stores, awaited on its mbarrier); proj partial, exchange;
 //   LN3, fc1 + GELU: 48 of the cluster's 384 hidden units -> every CTA; fc2: the cluster's
 //        partial over its 384 hidden units for columns [r CW, (r+1) CW) -> global; exchange.
+// Every broadcast inside the cluster goes by bulk copy or st.async into the peers' shared
+// memory and is awaited on the receiver's mbarrier (one phase per block): no cluster barrier.
 // Weights and cached K/V stream through a ring of shared-memory slots by bulk asynchronous
 // copies (TMA) issued RING slots ahead of their use: weights never depend on activations.
 // Reductions are in fixed order and no float atomics are used: replays give the same bits.

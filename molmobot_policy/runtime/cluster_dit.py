@@ -6,7 +6,12 @@ grid, and each phase boundary is a grid barrier plus a chain of round trips thro
 (~3.9 us); 9 of them per block-step bound the loop far above its weight traffic
 (docs/decisions/fused-dit-kernel.md). Here a block-step has 3 exchanges through global memory
 and the rest inside clusters, through distributed shared memory (a cluster barrier costs
-~0.25 us against the grid's ~1.1 us plus its round trips; `benchmarks/probe_phase_latency.py`):
+~0.25 us against the grid's ~1.1 us plus its round trips; `benchmarks/probe_phase_latency.py`).
+Inside a cluster no barrier is left in a block-step: a CTA sends its share of every
+broadcast to its peers by bulk copies (the LayerNorm inputs) or `st.async` stores (the
+q|k|v, cross q and fc1 outputs, the cross-attention's partials and combined dims), which count
+their bytes on the receiver's mbarrier, and the receiver waits for the bytes it needs, not
+for every CTA of the cluster to arrive:
 
 - one cluster of 8 CTAs per attention head (8 x 8 = 64 CTAs, one per SM). Every cluster keeps
   its own copy of the float32 residual stream, split by columns over its CTAs; all clusters
@@ -14,10 +19,8 @@ and the rest inside clusters, through distributed shared memory (a cluster barri
 - the small parts are recomputed, not exchanged: every cluster forms its LayerNorm inputs
   from its copy of x (row statistics shared inside the cluster), every CTA of a cluster runs
   its head's 16-token self-attention; the cross-attention runs over the head's keys split in
-  eighths, its flash-decoding partials combined inside the cluster: each CTA owns 12 of the
-  head's 96 dims, its peers store their partials of those dims into its shared memory with
-  `st.async`, which counts the bytes on its mbarrier, and it waits for the bytes (not for a
-  cluster barrier), then sends its combined dims to every peer the same way.
+  eighths, its flash-decoding partials combined inside the cluster (each CTA owns 12 of the
+  head's 96 dims and sends them, combined, to every peer).
 - the three sums over heads (self-attention proj, cross-attention proj, fc2 over each
   cluster's 384 hidden units) go through global memory: CTA (h, r) writes its head's partial
   of output columns [96 r, 96 (r + 1)), and reads the 8 partials of its own columns (from the
