@@ -126,22 +126,28 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                  "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+// one try of a wait for the phase of `parity`: acquiring at CTA scope (copies from global
+// memory), or at cluster scope (what peers stored with st.async before completing it)
+template <bool CLUSTER>
+__device__ __forceinline__ bool mbar_try(uint64_t *bar, unsigned parity) {
     unsigned done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-// the same, acquiring at cluster scope: what peers stored with st.async before completing it
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, unsigned parity) {
-    unsigned done;
-    do {
+    if (CLUSTER)
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64"
                      " p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
+    else
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    while (!mbar_try<false>(bar, parity)) {
+    }
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, unsigned parity) {
+    while (!mbar_try<true>(bar, parity)) {
+    }
 }
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes,
                                           uint64_t *bar) {
