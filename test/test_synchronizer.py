@@ -570,6 +570,19 @@ def test_a_camera_changing_to_an_unsupported_encoding_is_told_refused_not_resize
         f"'yuv422' are refused (supported: {list(SUPPORTED_ENCODINGS)})"]
 
 
+def test_a_camera_back_to_its_first_layout_is_told_so(caplog):
+    """A fresh-user re-check: a camera back to rgb8 after a refused yuv422 spell was told
+    'resized as they come: is the camera configured as in training?'."""
+    sync = _sync()
+    with caplog.at_level('WARNING', logger='molmobot_policy.inputs'):
+        sync.add_image(CAMERAS[0], _image(1), 10.0, 10.0)
+        sync.add_image(CAMERAS[0], _image(1, 'yuv422'), 10.1, 10.1)
+        sync.add_image(CAMERAS[0], _image(1), 25.0, 25.0)
+    assert [r.getMessage() for r in caplog.records][1] == (
+        f'camera {CAMERAS[0]}: frames changed from yuv422 2x3 to rgb8 2x3, the layout they '
+        'first came with')
+
+
 def test_a_second_layout_change_within_the_interval_is_told_when_it_ends(caplog):
     """Ninth fresh-user trial: rgb8 -> bgr8 -> mono8 within 10 s logged only the first change;
     the log said bgr8 while the camera sent mono8."""

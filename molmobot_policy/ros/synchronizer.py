@@ -245,6 +245,7 @@ class ObservationSynchronizer:
         self._layout_logged: dict[str, float] = {}  # ... when a change of it was last logged
         self._layout_changes: dict[str, int] = {}   # ... changes since, not logged
         self._layout_told: dict[str, str] = {}      # ... the layout the last line left it in
+        self._layout_first: dict[str, str] = {}     # ... the layout it first came with
         self._seq = 0
         self.frames_decoded, self.last_build_decoded, self.last_build_decode_s = 0, 0, 0.0
         self._decode_s_since = 0.0      # decode time since the last observation returned
@@ -297,6 +298,7 @@ class ObservationSynchronizer:
         per topic: changes within it are told at the first frame after it; else ''. Holds
         the lock."""
         layout = _layout_text(msg)
+        self._layout_first.setdefault(topic, layout)
         before, self._layouts[topic] = self._layouts.get(topic), layout
         if before is not None and before != layout:
             self._layout_changes[topic] = self._layout_changes.get(topic, 0) + 1
@@ -321,6 +323,9 @@ class ObservationSynchronizer:
         if getattr(msg, 'height', min_h) < min_h or getattr(msg, 'width', min_w) < min_w:
             return (f'camera {topic}: frames changed from {told} to {layout}{more}; frames '
                     f'smaller than min_image_size {min_h}x{min_w} are refused')
+        if layout == self._layout_first[topic]:
+            return (f'camera {topic}: frames changed from {told} to {layout}{more}, the layout '
+                    'they first came with')
         return (f'camera {topic}: frames changed from {told} to {layout}{more}; the model '
                 'gets them resized to its input as they come: is the camera configured as '
                 'in training?')
