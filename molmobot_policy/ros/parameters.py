@@ -472,8 +472,7 @@ def check_parameter_values(parameter) -> None:
         raise ParameterError('camera_transports', transports,
                              f'is not 1 or {cameras} (one per camera topic) of '
                              f'{list(CAMERA_TRANSPORTS)}')
-    for name in ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max',
-                 'tracking_tolerance'):
+    for name in MOTION_LIMITS:
         per_joint(parameter, name)
     size = parameter('min_image_size')
     size = [] if size is None else list(size)
@@ -570,12 +569,16 @@ def check_gripper_within_limits(parameter, gripper: int, limits: dict) -> None:
                 f"{'-.inf' if side is min else '.inf'} for it"))
 
 
+# the per-action-joint parameters `motion_limiter` builds the MotionLimiter of
+MOTION_LIMITS = ('max_step', 'max_joint_velocity', 'joint_position_min', 'joint_position_max',
+                 'tracking_tolerance')
+
+
 def motion_limiter(parameter) -> MotionLimiter:
-    """The `MotionLimiter` of max_joint_velocity, joint_position_min, joint_position_max,
-    max_step and tracking_tolerance; `parameter(name)` -> its value. The gripper dimension (gripper_index >= 0) has
-    no velocity or step limit here: its binarized open / closed command is no joint position.
-    Raises ValueError on a bad value (ParameterError naming the parameter for lists of the
-    wrong length or type)."""
+    """The `MotionLimiter` of MOTION_LIMITS; `parameter(name)` -> its value. The gripper
+    dimension (gripper_index >= 0) has no velocity or step limit here: its binarized open /
+    closed command is no joint position. Raises ValueError on a bad value (ParameterError
+    naming the parameter)."""
     velocity = per_joint(parameter, 'max_joint_velocity')
     step = per_joint(parameter, 'max_step')
     tolerance = per_joint(parameter, 'tracking_tolerance')
@@ -603,8 +606,7 @@ def motion_limiter(parameter) -> MotionLimiter:
                              ('position_max', 'joint_position_max')):
             message = re.sub(rf'(?<![a-z_]){inner}\b', outer, message)
         name, _, expected = message.partition(' ')
-        if name not in ('max_joint_velocity', 'max_step', 'tracking_tolerance',
-                        'joint_position_min', 'joint_position_max'):
+        if name not in MOTION_LIMITS:
             raise ValueError(message) from None
         if expected.startswith('must be > 0'):      # its ', got' is the value per joint
             expected = expected.split(', got ')[0]

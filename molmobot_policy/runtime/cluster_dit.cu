@@ -444,10 +444,10 @@ __device__ __forceinline__ void broadcast_pair(bf16 *buf, int offset, float y0, 
         if (dst != r) st_async(buf + offset, *reinterpret_cast<uint32_t *>(&y), bar, dst);
 }
 
-// the peers' bytes of a broadcast GEMM output (this CTA's own stores are ordered by the
-// GEMM's last block barrier). It also orders the reuse of the LayerNorm blocks in xa: a peer
-// sends its next slice only after it waited here for this CTA's bytes, which this CTA sends
-// after its k-loop read xa
+// the peers' bytes of a broadcast: a GEMM output (this CTA's own stores are ordered by the
+// GEMM's last block barrier) or the combined o_h. After a LayerNorm-fed GEMM it also orders
+// the reuse of the LayerNorm blocks in xa: a peer sends its next slice only after it waited
+// here for this CTA's bytes, which this CTA sends after its k-loop read xa
 __device__ __forceinline__ void await_broadcast(uint64_t *bar, unsigned bytes, unsigned parity) {
     if (threadIdx.x == 0) mbar_expect_tx(bar, bytes);
     mbar_wait_cluster(bar, parity);
@@ -869,8 +869,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
             for (int dst = 0; dst < R; ++dst)
                 if (dst != r) st_async(mine, *reinterpret_cast<uint32_t *>(&y), ohbar, dst);
         }
-        if (tid == 0) mbar_expect_tx(ohbar, OH_TX);
-        mbar_wait_cluster(ohbar, b & 1);    // the peers' dims of o_h
+        await_broadcast(ohbar, OH_TX, b & 1);     // the peers' dims of o_h
         __syncthreads();            // and this CTA's own
         STAMP(16);
         const int itw = it0 + 9 + 2 * nkv;                      // wo2, w1, w2 from here

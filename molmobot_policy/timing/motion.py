@@ -123,10 +123,11 @@ def anchor_at_publish(measured: np.ndarray, stamp: float, publish_time: float, e
     times, positions = executing.times, np.asarray(executing.positions, dtype=np.float64)
     if positions.shape[1] != measured.shape[0]:
         return Anchor(measured)
-    at_stamp = np.array([np.interp(stamp, times, positions[:, j])
-                         for j in range(positions.shape[1])])
-    motion = np.array([np.interp(publish_time, times, positions[:, j])
-                       for j in range(positions.shape[1])]) - at_stamp
+
+    def at(t: float) -> np.ndarray:      # the chunk at time t, per joint
+        return np.array([np.interp(t, times, positions[:, j]) for j in range(positions.shape[1])])
+    at_stamp = at(stamp)
+    motion = at(publish_time) - at_stamp
     error = np.abs(measured - at_stamp) if stamp >= times[0] \
         else np.full(measured.shape, np.nan)
     following = np.ones(measured.shape, dtype=bool)
