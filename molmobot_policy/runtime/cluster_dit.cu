@@ -534,11 +534,18 @@ __device__ __forceinline__ void residual_update(const Params &p, int sub, int r,
         uint4 v[H];
 #pragma unroll
         for (int hh = 0; hh < H; ++hh) v[hh] = ld_volatile4(P + ((size_t)hh * MR + row) * D + col);
-        if (wait) {
+        // poll in rounds: every value still without the parity is reloaded, all of them
+        // before any is looked at again, so a round costs one L2 round trip however many
+        // heads are late (a head at a time costs a round trip for each late head)
+        while (wait) {
+            unsigned late = 0;
 #pragma unroll
             for (int hh = 0; hh < H; ++hh)
-                while (!carries(v[hh], par)) v[hh] = ld_volatile4(P + ((size_t)hh * MR + row) * D
-                                                                  + col);
+                if (!carries(v[hh], par)) late |= 1u << hh;
+            if (!late) break;
+#pragma unroll
+            for (int hh = 0; hh < H; ++hh)
+                if (late & (1u << hh)) v[hh] = ld_volatile4(P + ((size_t)hh * MR + row) * D + col);
         }
         float4 s = make_float4(__uint_as_float(v[0].x), __uint_as_float(v[0].y),
                                __uint_as_float(v[0].z), __uint_as_float(v[0].w));
