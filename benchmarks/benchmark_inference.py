@@ -1,5 +1,6 @@
 """Inference ladder on one GPU: eager -> compile -> +CUDA graphs -> +KV cache -> +buckets ->
-+bf16 ViT attention -> +fused action-expert kernel (the default) -> +fp8.
++bf16 ViT attention -> +fused action-expert kernel (Triton) -> +cluster kernel instead (the
+default where it serves: Hopper, nvcc) -> +fp8.
 
 Builds the full-size MolmoBot with random weights (preset `molmobot-4b-8cam`: 8 cameras
 480x640, 14-D state and actions, horizon 16, 10 flow steps) once, then times each rung of
@@ -18,7 +19,8 @@ of 2), and of the rungs after the default one from the default (`dev vs default`
 changes). Then the zero-recompile check: instructions of 1..200 words after warm-up.
 
     python benchmarks/benchmark_inference.py --out benchmarks/out/inference.json   (H200: ~4 min)
-    python benchmarks/benchmark_inference.py --rungs +fused_ae,+fp8 --iters 150 --period-ms 120
+    python benchmarks/benchmark_inference.py --rungs +fused_ae,+cluster_ae,+fp8 --iters 150 \
+        --period-ms 120
     python benchmarks/benchmark_inference.py --preset tiny --device cpu --rungs eager,compile \
         --iters 5                                      (CPU: checks the script, ~1 min)
 
@@ -61,8 +63,9 @@ def rung_configs(device: str, buckets: tuple[int, ...], pad: int) -> dict[str, d
                           cuda_graphs=cuda),
         '+buckets': dict(opt, **exact, **blocks),
         '+vit_bf16_attn': dict(opt, **blocks),
-        '+fused_ae': dict(opt),                 # the default without flash-attn-4
-        '+cluster_ae': dict(opt, fused_action_expert='cluster'),   # opt-in kernel instead
+        '+fused_ae': dict(opt, fused_action_expert='triton'),   # the Triton kernel
+        '+cluster_ae': dict(opt),       # the default without flash-attn-4: auto, the cluster
+                                        # kernel where it serves (Hopper), else the Triton's
         '+flash_attn': dict(opt, llm_attention='flash'),   # the default (auto) with it
         '+fp8': dict(opt, quantize='fp8'),
         '+flash_attn_fp8': dict(opt, llm_attention='flash', quantize='fp8'),
@@ -157,7 +160,8 @@ def add_deviations(rows: list[dict]) -> None:
         r['speedup_vs_eager'] = eager['generate_actions_ms']['p50'] / \
             r['generate_actions_ms']['p50']
     names = [r['rung'] for r in rows]
-    default = next((n for n in ('+fused_ae', '+vit_bf16_attn') if n in names), None)
+    default = next((n for n in ('+cluster_ae', '+fused_ae', '+vit_bf16_attn') if n in names),
+                   None)
     if default is not None:
         ref_default = np.asarray(rows[names.index(default)]['actions_normalized'])
         for r in rows[names.index(default) + 1:]:
@@ -196,7 +200,7 @@ def main() -> None:
     ap.add_argument('--preset', default='molmobot-4b-8cam')
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     ap.add_argument('--rungs', default='eager,compile,+cuda_graphs,+kv_cache,+buckets,'
-                    '+vit_bf16_attn,+fused_ae,+fp8',
+                    '+vit_bf16_attn,+fused_ae,+cluster_ae,+fp8',
                     help='comma list, in ladder order; also +fp8_tensor (instead of +fp8)')
     ap.add_argument('--iters', type=int, default=50)
     ap.add_argument('--pad', type=int, default=2048, help='the single published padding length')

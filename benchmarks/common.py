@@ -133,13 +133,14 @@ def summary(values, samples: bool = False) -> dict:
 
 # ------------------------------------------------------------------------------ provenance
 def package_digest() -> str:
-    """sha256 (first 16 hex digits) of the molmobot_policy sources (*.py, sorted by path;
-    the same digest as `benchmark_inference.package_digest` gave before 2026-12-01)."""
+    """sha256 (first 16 hex digits) of the molmobot_policy sources (*.py and the CUDA
+    kernels' *.cu, sorted by path). Results written before 2026-12-07 10:45 UTC carry the digest
+    of the *.py files alone (it missed changes to cluster_dit.cu)."""
     root = REPO / 'molmobot_policy'
     digest = hashlib.sha256()
     for dirpath, dirnames, filenames in sorted(os.walk(root)):
         dirnames.sort()
-        for name in sorted(f for f in filenames if f.endswith('.py')):
+        for name in sorted(f for f in filenames if f.endswith(('.py', '.cu'))):
             path = os.path.join(dirpath, name)
             digest.update(os.path.relpath(path, root).encode() + b'\0')
             digest.update(Path(path).read_bytes())

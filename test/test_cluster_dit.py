@@ -6,6 +6,8 @@ the float32 blocks. The kernel itself runs on the GPU (test_cluster_dit_gpu.py).
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 import types
 
 import pytest
@@ -105,6 +107,71 @@ def test_the_kernel_does_not_serve_where_it_cannot_and_says_why():
                              torch.float32).action_expert
     assert cd.unavailable_reason(tiny, torch.device('cpu'), torch.bfloat16) == \
         'needs a CUDA device, serving on cpu'
+
+
+def test_auto_prefers_the_cluster_kernel_then_the_triton_kernel_saying_why(monkeypatch):
+    """`fused_action_expert: auto` serves the cluster kernel where it can, else the Triton
+    kernel with the cluster kernel's reason, else the compiled blocks with the Triton's."""
+    from molmobot_policy.runtime import serving
+    from molmobot_policy.runtime.config import EngineConfig
+    tiny = ckpt.random_model(MolmoBotConfig.from_name('tiny'), 0, torch.device('cpu'),
+                             torch.float32).action_expert
+    config = EngineConfig(model='tiny', compile=True, buckets=(2048,))
+    reasons = {'cluster': '', 'triton': ''}
+    monkeypatch.setattr(cd, 'unavailable_reason', lambda *a, **k: reasons['cluster'])
+    monkeypatch.setattr(fused_dit, 'unavailable_reason', lambda *a, **k: reasons['triton'])
+    assert serving.fused_kernel_choice(config, tiny) == ('cluster', '')
+    reasons['cluster'] = 'needs an sm_90 (Hopper) GPU, got compute capability 8.x'
+    assert serving.fused_kernel_choice(config, tiny) == (
+        'triton', 'cluster kernel not used: needs an sm_90 (Hopper) GPU, got compute '
+                  'capability 8.x')
+    reasons['triton'] = 'no triton'
+    assert serving.fused_kernel_choice(config, tiny) == ('', 'no triton')
+    config.fused_action_expert = 'triton'        # the Triton kernel required: not the cluster's
+    reasons.update(cluster='', triton='')
+    assert serving.fused_kernel_choice(config, tiny) == ('triton', '')
+
+
+@pytest.fixture
+def fresh_extension(monkeypatch, tmp_path):
+    """cluster_dit's extension state reset, builds under tmp_path, nvcc 'found' and torch's
+    builder replaced by a stub that records the lock file's presence when it is called."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cd, '_ext', None)
+    monkeypatch.setattr(cd, '_ext_error', '')
+    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
+    monkeypatch.setattr(cpp_extension, 'CUDA_HOME', '/usr/local/cuda')
+    monkeypatch.setattr(torch.version, 'cuda', '13.0')
+    calls = []
+
+    def load(name, sources, build_directory, **kwargs):
+        calls.append(os.path.exists(os.path.join(build_directory, 'lock')))
+        return types.SimpleNamespace(name=name)
+    monkeypatch.setattr(cpp_extension, 'load', load)
+    return calls
+
+
+def test_a_build_lock_left_by_an_interrupted_build_is_removed_a_fresh_one_kept(fresh_extension):
+    build = cd.build_directory()
+    os.makedirs(build)
+    lock = os.path.join(build, 'lock')
+    open(lock, 'w').close()
+    old = time.time() - cd.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert cd.load_extension() is not None
+    assert fresh_extension == [False]            # removed before torch's builder ran
+    cd._ext = None
+    open(lock, 'w').close()                      # a build in progress elsewhere: left alone
+    cd.load_extension()
+    assert fresh_extension == [False, True]
+
+
+def test_without_nvcc_the_kernel_says_so_and_is_not_built(fresh_extension, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, 'CUDA_HOME', None)
+    assert cd.load_extension() is None
+    assert cd._ext_error.startswith('nvcc not found')
+    assert fresh_extension == []
 
 
 # ------------------------------------------------------------------ a model of the schedule

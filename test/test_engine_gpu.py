@@ -39,7 +39,9 @@ def graphed() -> PolicyEngine:
 
 
 def test_default_engine_runs_the_fused_action_expert_kernel(graphed):
-    assert graphed.mode['fused_action_expert'] == 'triton'
+    # the tiny expert is narrower than the cluster kernel's compiled widths: the Triton kernel
+    assert graphed.mode['fused_action_expert'].startswith(
+        'triton (cluster kernel not used: compiled for hidden 768')
 
 
 def test_fused_action_expert_matches_the_blocks_within_bf16_noise(graphed):

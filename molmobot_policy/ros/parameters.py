@@ -203,12 +203,14 @@ PARAMETERS = {
         "upstream's float32 ViT attention (true) or the fused bf16 kernel (false, 2.5x faster "
         'ViT on an H200)', _B)),
     'fused_action_expert': ('auto', descriptor(
-        "each flow step's DiT blocks as one kernel (CUDA): the persistent Triton kernel "
-        '(bfloat16 or float16), or the thread-block-cluster kernel (opt-in: Hopper, bfloat16, '
-        'built with nvcc on first use)', _S,
-        constraints="'auto' (Triton, when compile or cuda_graphs and the kernel can serve), "
-                    "'on' / true / 'triton' (required: configure fails where it cannot "
-                    "serve), 'cluster' (required likewise), 'off' / false",
+        "each flow step's DiT blocks as one kernel (CUDA): the thread-block-cluster kernel "
+        '(Hopper, bfloat16, the full-size expert; built with nvcc on first use, ~1 min), or '
+        'the persistent Triton kernel (bfloat16 or float16)', _S,
+        constraints="'auto' (with compile or cuda_graphs: the cluster kernel where it can "
+                    "serve, else the Triton kernel, else the compiled blocks, logged), "
+                    "'cluster' (required: configure fails where it cannot serve), "
+                    "'on' / true / 'triton' (the Triton kernel, required likewise), "
+                    "'off' / false",
         dynamic=True)),
     'llm_attention': ('auto', descriptor(
         "the LLM's masked attention: FlashAttention-4's kernel with the mask as a rule per "

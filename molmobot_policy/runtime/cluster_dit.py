@@ -29,7 +29,9 @@ for every CTA of the cluster to arrive:
   most 2^-23, far below bf16's 2^-8), and the reader polls the values until they carry this
   block's parity, so no counter, fence or block barrier stands between a partial's store
   and its use (the partials are zeroed at launch; the idea of a flag inside the data is
-  NCCL's LL protocol, which pairs each 4-byte word with a 4-byte flag instead).
+  NCCL's LL protocol, which pairs each 4-byte word with a 4-byte flag instead). It polls in
+  rounds, reloading every late value before it looks at any again: one L2 round trip per
+  round, where polling a value at a time costs one per late head.
 - weights (repacked once at load time into each CTA's stream, in mma fragment order) and the
   cached cross-attention K/V (repacked once per query, `pack_context`) stream into a ring of
   11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
@@ -41,13 +43,14 @@ LayerNorms applied in the GEMM epilogues through the per-flow-time tables u = W 
 v = W shift (`FusedDiTStep.tables`), bf16 GEMM operands with float32 accumulation, exact erf
 GELU. No float atomics: a replay gives the same bits.
 
-Served where the engine asks for it (`fused_action_expert: cluster`; why it is not the
-default: docs/decisions/cluster-dit-kernel.md). Limits (`unavailable_reason` names the one
-that fails, and configure fails with it): the model's sizes compiled into the kernel (hidden
+Served by default where it can serve (`fused_action_expert: auto`, else the Triton kernel
+with a log line saying why; `cluster` requires it; docs/decisions/cluster-dit-kernel.md).
+Limits (`unavailable_reason` names the one that fails): the model's sizes compiled into the kernel (hidden
 768, 8 heads, MLP 3072), at most 16 action tokens (`states_mode: cross_attn` at horizon 16),
 bf16, an sm_90 GPU with room for 8 resident clusters of 8 (the grid waits on itself: all 64
-CTAs must be resident), nvcc to build the extension (torch's cpp_extension, on first use,
-~1 min, cached in TORCH_EXTENSIONS_DIR). A context outside 128..2048 keys in multiples of 16
+CTAs must be resident), nvcc and ninja to build the extension (torch's cpp_extension, on
+first use, ~1 min, cached under TORCH_EXTENSIONS_DIR: `build_directory()`; `python -m
+molmobot_policy.runtime.cluster_dit` builds it ahead). A context outside 128..2048 keys in multiples of 16
 runs through the Triton kernel at call time.
 """
 from __future__ import annotations
@@ -55,6 +58,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
+import time
 
 import torch
 
@@ -135,17 +140,52 @@ def pack_context(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor
     return kp, vp
 
 
+STALE_LOCK_S = 900.0        # a build takes ~1 min: a lock this old was left by an interrupted one
+
+
+def build_directory() -> str:
+    """Where torch's cpp_extension builds and caches the kernel: one directory per extension
+    name, Python, torch and CUDA version, under TORCH_EXTENSIONS_DIR (default
+    ~/.cache/torch_extensions)."""
+    root = os.environ.get('TORCH_EXTENSIONS_DIR') or os.path.join(
+        os.path.expanduser('~'), '.cache', 'torch_extensions')
+    tag = (f'py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}'
+           f'_cu{torch.version.cuda}').replace('+', '_')
+    return os.path.join(root, tag, _EXT_NAME)
+
+
 def load_extension():
-    """The compiled kernel (built on first use), or None with the reason in `_ext_error`."""
+    """The compiled kernel (built with nvcc on first use, ~1 min, then loaded from
+    `build_directory()`), or None with the reason in `_ext_error` (logged once). A build lock
+    older than STALE_LOCK_S is removed first (torch's builder would wait on it forever after
+    an interrupted build)."""
     global _ext, _ext_error
     if _ext is not None or _ext_error:
         return _ext
+    from torch.utils import cpp_extension
+    if torch.version.cuda is None:
+        _ext_error = f'this torch ({torch.__version__}) is built without CUDA'
+    elif cpp_extension.CUDA_HOME is None:
+        _ext_error = 'nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on the PATH)'
+    if _ext_error:
+        log.warning('cluster DiT kernel: %s', _ext_error)
+        return None
+    build = build_directory()
     try:
-        from torch.utils.cpp_extension import load
-        _ext = load(_EXT_NAME, sources=[_SOURCE],
-                    extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=sm_90a',
-                                       '-std=c++17'],
-                    verbose=False)
+        os.makedirs(build, exist_ok=True)
+        lock = os.path.join(build, 'lock')
+        if os.path.exists(lock):
+            age = time.time() - os.path.getmtime(lock)
+            if age > STALE_LOCK_S:
+                log.warning('cluster DiT kernel: removing %s, left by a build interrupted %.0f '
+                            'min ago', lock, age / 60)
+                os.remove(lock)
+        log.info('cluster DiT kernel: loading the CUDA extension from %s (nvcc builds it on '
+                 'first use, ~1 min)', build)
+        _ext = cpp_extension.load(_EXT_NAME, sources=[_SOURCE], build_directory=build,
+                                  extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=sm_90a',
+                                                     '-std=c++17'],
+                                  verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve the fallback
         _ext_error = f'the CUDA extension did not build: {type(exc).__name__}: {str(exc)[-300:]}'
         log.warning('cluster DiT kernel: %s', _ext_error)
@@ -263,3 +303,18 @@ class ClusterDiTStep:
                       mask.contiguous(), part, self.trace, t, s, nb, nkv,
                       self.prefetch, self.mode, self.base.eps, self.base.sm_scale)
         return out
+
+
+def main() -> int:
+    """`python -m molmobot_policy.runtime.cluster_dit`: builds the kernel now (or finds it
+    built) and says where, or why it cannot; exit status 0 or 1. For a set-up step, so that
+    the node's first configure does not spend the ~1 min build."""
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    if load_extension() is None:            # (the reason is logged)
+        return 1
+    print(f'cluster DiT kernel ready: {build_directory()}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -62,15 +62,15 @@ class EngineConfig:
             for a much faster ViT. No effect when dtype is float32. The pooling attention
             always runs in float32 (`runtime.serving`).
         fused_action_expert: run each flow step's DiT blocks as one kernel (CUDA, with
-            kv_cache): 'auto' (default) runs the persistent Triton kernel
-            (`runtime.fused_dit`: bf16/fp16) when the engine compiles or captures graphs and
-            the kernel can serve the model, else the compiled blocks, with a log line saying
-            why; 'on' / 'triton' require it (error otherwise; True / False read as 'on' /
-            'off'); 'cluster' requires the thread-block-cluster kernel (`runtime.cluster_dit`:
-            Hopper, bf16, the full-size expert's widths; built with nvcc on first use);
-            'off' never. `mode` says which runs and why. Same math within bf16 rounding
-            (closer to float32 than the blocks: the residual stream stays float32 in the
-            kernels).
+            kv_cache): 'auto' (default), when the engine compiles or captures graphs, runs
+            the thread-block-cluster kernel (`runtime.cluster_dit`: Hopper, bf16, the
+            full-size expert's widths; built with nvcc on first use, ~1 min) where it can
+            serve, else the persistent Triton kernel (`runtime.fused_dit`: bf16/fp16), else
+            the compiled blocks, with a log line saying why; 'cluster' requires the cluster
+            kernel and 'on' / 'triton' the Triton kernel (error otherwise; True / False read
+            as 'on' / 'off'); 'off' never. `mode` says which runs and why. Same math within
+            bf16 rounding (closer to float32 than the blocks: the residual stream stays
+            float32 in the kernels).
         llm_attention: how the LLM attends under its mask ("causal, or both tokens image
             tokens", padding hidden): 'flash' runs FlashAttention-4's Hopper / Blackwell
             kernel with the mask as a rule per score and its 128 x 128 tiles classified full /

@@ -200,11 +200,13 @@ class ServedActionExpert:
 
 def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
     """Which kernel runs the DiT blocks of each flow step under `config` (`EngineConfig`):
-    (kernel, reason) with kernel 'triton' (`runtime.fused_dit`; 'auto', 'on', 'triton'),
-    'cluster' (`runtime.cluster_dit`; 'cluster' only: docs/decisions/cluster-dit-kernel.md
-    says why it is not the default) or '' (the compiled blocks), and why no kernel serves
-    ('' when one does), for `PolicyEngine.mode` and a log line. Raises ValueError where
-    `fused_action_expert` requires a kernel ('on', 'triton', 'cluster') that cannot serve."""
+    (kernel, reason) with kernel 'cluster' (`runtime.cluster_dit`; 'auto' where it can serve,
+    'cluster'), 'triton' (`runtime.fused_dit`; 'auto' where the cluster kernel cannot serve,
+    'on', 'triton') or '' (the compiled blocks), and why the preferred kernel does not serve
+    ('' when it does), for `PolicyEngine.mode` and a log line. 'auto' prefers the cluster
+    kernel: the faster one where it serves (docs/decisions/cluster-dit-kernel.md), and asking
+    builds it (nvcc, ~1 min, once). Raises ValueError where `fused_action_expert` requires a
+    kernel ('on', 'triton', 'cluster') that cannot serve."""
     mode = config.fused_action_expert
     if mode == 'off':
         return '', 'as configured'
@@ -214,15 +216,20 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
         return '', 'auto uses it with compile or cuda_graphs'
     from molmobot_policy.runtime import cluster_dit, fused_dit
     param = next(ae.parameters())
-    if mode == 'cluster':
+    preferred = ''
+    if mode in ('auto', 'cluster'):
         reason = cluster_dit.unavailable_reason(ae, param.device, param.dtype)
-        if reason:
+        if not reason:
+            return 'cluster', ''
+        if mode == 'cluster':
             raise ValueError(f'fused_action_expert=cluster, but the kernel cannot serve: '
                              f'{reason}')
-        return 'cluster', ''
+        preferred = f'cluster kernel not used: {reason}'
     reason = fused_dit.unavailable_reason(ae, param.device, param.dtype)
     if not reason:
-        return 'triton', ''
+        if preferred:
+            log.info('fused action-expert kernel: the Triton kernel (%s)', preferred)
+        return 'triton', preferred
     if mode != 'auto':
         raise ValueError(f'fused_action_expert={mode}, but the kernel cannot serve: {reason}')
     log.info('fused action-expert kernel not used: %s (compiled blocks instead)', reason)
