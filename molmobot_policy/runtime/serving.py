@@ -19,7 +19,8 @@ dtype (moving it afterwards is not supported), the way gpt-fast fuses its weight
 - the action expert's per-query context projects every block's cross-attention K/V with one
   batched GEMM over the stacked kv_proj weights and without kv_proj's bias, the value bias
   folded into the output bias (`ServedActionExpert`); its AdaLN conditioning is computed once
-  per flow time; the fused DiT kernel's weights are stacked (`runtime.fused_dit`);
+  per flow time; the fused DiT kernel's weights are stacked (`runtime.fused_dit`), and for the
+  cluster kernel also repacked in its stream order (`runtime.cluster_dit`);
 - torch.compile of the repeated blocks and the action expert's glue (`runtime.compile`).
 Each is tested against the model's own forward (test/test_serving.py).
 """
