@@ -45,13 +45,13 @@ GELU. No float atomics: a replay gives the same bits.
 
 Served by default where it can serve (`fused_action_expert: auto`, else the Triton kernel
 with a log line saying why; `cluster` requires it; docs/decisions/cluster-dit-kernel.md).
-Limits (`unavailable_reason` names the one that fails): the model's sizes compiled into the kernel (hidden
-768, 8 heads, MLP 3072), at most 16 action tokens (`states_mode: cross_attn` at horizon 16),
-bf16, an sm_90 GPU with room for 8 resident clusters of 8 (the grid waits on itself: all 64
-CTAs must be resident), nvcc and ninja to build the extension (torch's cpp_extension, on
-first use, ~1 min, cached under TORCH_EXTENSIONS_DIR: `build_directory()`; `python -m
-molmobot_policy.runtime.cluster_dit` builds it ahead). A context outside 128..2048 keys in multiples of 16
-runs through the Triton kernel at call time.
+Limits (`unavailable_reason` names the one that fails): the model's sizes compiled into the
+kernel (hidden 768, 8 heads, MLP 3072), at most 16 action tokens (`states_mode: cross_attn`
+at horizon 16), bf16, an sm_90 GPU with room for 8 resident clusters of 8 (the grid waits on
+itself: all 64 CTAs must be resident), nvcc and ninja to build the extension (torch's
+cpp_extension, on first use, ~1 min, cached under TORCH_EXTENSIONS_DIR: `build_directory()`;
+`python -m molmobot_policy.runtime.cluster_dit` builds it ahead). A context outside
+128..2048 keys in multiples of 16 runs through the Triton kernel at call time.
 """
 from __future__ import annotations
 
@@ -182,10 +182,9 @@ def load_extension():
                 os.remove(lock)
         log.info('cluster DiT kernel: loading the CUDA extension from %s (nvcc builds it on '
                  'first use, ~1 min)', build)
+        flags = ['-O3', '-gencode=arch=compute_90a,code=sm_90a', '-std=c++17']
         _ext = cpp_extension.load(_EXT_NAME, sources=[_SOURCE], build_directory=build,
-                                  extra_cuda_cflags=['-O3', '-gencode=arch=compute_90a,code=sm_90a',
-                                                     '-std=c++17'],
-                                  verbose=False)
+                                  extra_cuda_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve the fallback
         _ext_error = f'the CUDA extension did not build: {type(exc).__name__}: {str(exc)[-300:]}'
         log.warning('cluster DiT kernel: %s', _ext_error)
