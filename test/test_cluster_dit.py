@@ -130,6 +130,9 @@ def test_auto_prefers_the_cluster_kernel_then_the_triton_kernel_saying_why(monke
     config.fused_action_expert = 'triton'        # the Triton kernel required: not the cluster's
     reasons.update(cluster='', triton='')
     assert serving.fused_kernel_choice(config, tiny) == ('triton', '')
+    # neither compiled nor graphed, on a CPU: the reason is the device, not the options
+    assert serving.fused_kernel_choice(EngineConfig(model='tiny'), tiny) == (
+        '', 'needs a CUDA device, serving on cpu')
 
 
 @pytest.fixture

@@ -300,9 +300,10 @@ def test_fused_action_expert_option_is_validated():
 
 
 def test_fused_action_expert_on_where_it_cannot_serve_fails_before_the_model_is_built():
-    with pytest.raises(ValueError, match='fused_action_expert=on needs a CUDA device'):
-        EngineConfig(model='tiny', fused_action_expert='on')
-    with pytest.raises(ValueError, match="fused_action_expert=on needs dtype 'bfloat16'"):
+    with pytest.raises(ValueError, match=r'fused_action_expert=on \(true reads as on: the '
+                                         r'Triton kernel\) needs a CUDA device'):
+        EngineConfig(model='tiny', fused_action_expert=True)
+    with pytest.raises(ValueError, match=r"fused_action_expert=on \(.*\) needs dtype 'bfloat16'"):
         EngineConfig(model='tiny', device='cuda', dtype='float32', fused_action_expert='on')
     with pytest.raises(ValueError, match='fused_action_expert=cluster needs a CUDA device'):
         EngineConfig(model='tiny', fused_action_expert='cluster')

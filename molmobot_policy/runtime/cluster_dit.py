@@ -308,6 +308,9 @@ def main() -> int:
     """`python -m molmobot_policy.runtime.cluster_dit`: builds the kernel now (or finds it
     built) and says where, or why it cannot; exit status 0 or 1. For a set-up step, so that
     the node's first configure does not spend the ~1 min build."""
+    import argparse
+    argparse.ArgumentParser(prog='python -m molmobot_policy.runtime.cluster_dit',
+                            description=main.__doc__.split(':', 1)[1].strip()).parse_args()
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     if load_extension() is None:            # (the reason is logged)
         return 1

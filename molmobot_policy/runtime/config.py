@@ -118,6 +118,8 @@ class EngineConfig:
                              f'{self.fused_action_expert!r}')
         mode = self.fused_action_expert
         if mode in ('on', 'cluster', 'triton'):
+            if mode == 'on':                    # what a YAML true became: say which kernel
+                mode = 'on (true reads as on: the Triton kernel)'
             if not self.kv_cache:
                 raise ValueError(f'fused_action_expert={mode} needs kv_cache=true (the kernel '
                                  'reads the cached cross-attention K/V)')

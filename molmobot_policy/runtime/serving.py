@@ -213,10 +213,11 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
         return '', 'as configured'
     if not config.kv_cache:
         return '', 'kv_cache=false'
-    if mode == 'auto' and not (config.compile or config.cuda_graphs):
-        return '', 'auto uses it with compile or cuda_graphs'
-    from molmobot_policy.runtime import cluster_dit, fused_dit
     param = next(ae.parameters())
+    if mode == 'auto' and not (config.compile or config.cuda_graphs):
+        return '', ('auto uses it with compile or cuda_graphs' if param.device.type == 'cuda'
+                    else f'needs a CUDA device, serving on {param.device}')
+    from molmobot_policy.runtime import cluster_dit, fused_dit
     preferred = ''
     if mode in ('auto', 'cluster'):
         reason = cluster_dit.unavailable_reason(ae, param.device, param.dtype)
