@@ -105,7 +105,11 @@ def test_run_to_the_first_chunk_on_the_argument_topics_then_sigint_exits_cleanly
     assert list(chunks[0].joint_names) == JOINTS
     assert status == 0, text[-4000:]
     assert re.search(r'\[policy_node-\d+\]: process has finished cleanly', text), text[-4000:]
-    assert 'Traceback' not in text, text[-4000:]
+    # no traceback from the node (launch prefixes each of its lines with its name); ros2 launch's
+    # own Python may print one when the SIGINT sent to it lands inside a weakref callback
+    # ('Exception ignored in: <function WeakSet...>: KeyboardInterrupt'), which is launch's
+    node_lines = [line for line in text.splitlines() if re.match(r'\[policy_node-\d+\] ', line)]
+    assert node_lines and not any('Traceback' in line for line in node_lines), text[-4000:]
     # the node got one SIGINT: the terminal's, or the one launch passed on
     passed_on = "sending signal 'SIGINT' to process[policy_node" in text
     assert passed_on == (ctrl_c == 'supervisor'), text[-4000:]
