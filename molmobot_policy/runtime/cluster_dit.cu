@@ -924,6 +924,43 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     cluster.sync();                 // no CTA exits while another may read its shared memory
 }
 
+// ------------------------------------------------------------ the K/V repack, once per query
+// keys / values (n_blocks, 1, H, S, HD) with the head dim contiguous (any other strides, in
+// elements) -> kp, vp (n_blocks, H, S * HD) in the fragment order `cluster_dit.pack_context`
+// defines. One CTA of 192 threads per (16 keys, head, block): the 16 x 96 tiles are read as
+// 16-byte vectors into shared memory, then each thread writes 8 consecutive elements of each
+// packed 1536-element group (both outputs are contiguous per 16 keys).
+constexpr int PACK_THREADS = GROUP_E / 8;        // 192
+__global__ void __launch_bounds__(PACK_THREADS) pack_context_kernel(
+        const bf16 *__restrict__ keys, const bf16 *__restrict__ values, bf16 *__restrict__ kp,
+        bf16 *__restrict__ vp, long long s_blk, long long s_head, long long s_key, int S) {
+    __shared__ __align__(16) bf16 kt[16 * HD];
+    __shared__ __align__(16) bf16 vt[16 * HD];
+    const int g16 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    {
+        const int row = tid / (HD / 8), c8 = tid % (HD / 8);
+        const long long src = b * s_blk + h * s_head + (long long)(16 * g16 + row) * s_key + 8 * c8;
+        reinterpret_cast<uint4 *>(kt)[tid] = *reinterpret_cast<const uint4 *>(keys + src);
+        reinterpret_cast<uint4 *>(vt)[tid] = *reinterpret_cast<const uint4 *>(values + src);
+    }
+    __syncthreads();
+    __align__(16) bf16 ko[8], vo[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int o = 8 * tid + i;                 // element of this 16-key group's output
+        const int j = o & 3, lane = (o >> 2) & 31, g = lane >> 2, t = lane & 3;
+        const int half = j >> 1, e = j & 1;
+        // keys: o = ((n8 * 6 + ks) * 32 + lane) * 4 + j -> key 8 n8 + g, dim 16 ks + 8 half + 2 t + e
+        const int tile = o >> 7, n8 = tile / (HD / 16), ks = tile % (HD / 16);
+        ko[i] = kt[(8 * n8 + g) * HD + 16 * ks + 8 * half + 2 * t + e];
+        // values: o = (nt * 32 + lane) * 4 + j -> key 8 half + 2 t + e, dim 8 nt + g
+        vo[i] = vt[(8 * half + 2 * t + e) * HD + 8 * tile + g];
+    }
+    const long long dst = ((long long)(b * H + h) * S + 16 * g16) * HD + 8 * tid;
+    *reinterpret_cast<uint4 *>(kp + dst) = *reinterpret_cast<const uint4 *>(ko);
+    *reinterpret_cast<uint4 *>(vp + dst) = *reinterpret_cast<const uint4 *>(vo);
+}
+
 }  // namespace cdit
 
 // ------------------------------------------------------------------------------ host side
@@ -1009,7 +1046,35 @@ void step(torch::Tensor x_in, torch::Tensor out, torch::Tensor mod, torch::Tenso
     C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cdit::dit_step_kernel, p));
 }
 
+// keys / values (nb, 1, H, S, HD) bf16 CUDA, head dim contiguous, 16-byte aligned rows ->
+// kp, vp (nb, H, S * HD) contiguous (see cdit::pack_context_kernel)
+void pack_context(torch::Tensor keys, torch::Tensor values, torch::Tensor kp, torch::Tensor vp) {
+    TORCH_CHECK(keys.dim() == 5 && keys.sizes() == values.sizes() && keys.size(1) == 1
+                && keys.size(2) == cdit::H && keys.size(4) == cdit::HD && keys.size(3) % 16 == 0,
+                "cluster_dit.pack_context: keys / values must be (nb, 1, H, S, HD), S % 16 == 0");
+    for (const auto &x : {keys, values, kp, vp})
+        TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16
+                    && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+                    "cluster_dit.pack_context: bf16 CUDA tensors, 16-byte aligned, expected");
+    TORCH_CHECK(keys.strides() == values.strides() && keys.stride(4) == 1
+                && keys.stride(0) % 8 == 0 && keys.stride(2) % 8 == 0 && keys.stride(3) % 8 == 0,
+                "cluster_dit.pack_context: keys and values need the same strides, the head dim "
+                "contiguous and the others multiples of 8");
+    const int64_t nb = keys.size(0), S = keys.size(3);
+    TORCH_CHECK(kp.is_contiguous() && vp.is_contiguous() && kp.numel() == nb * cdit::H * S * cdit::HD
+                && vp.numel() == kp.numel(), "cluster_dit.pack_context: kp / vp must be "
+                "(nb, H, S * HD) contiguous");
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    dim3 grid((unsigned)(S / 16), cdit::H, (unsigned)nb);
+    cdit::pack_context_kernel<<<grid, cdit::PACK_THREADS, 0, stream>>>(
+        reinterpret_cast<const bf16 *>(keys.data_ptr()), reinterpret_cast<const bf16 *>(values.data_ptr()),
+        reinterpret_cast<bf16 *>(kp.data_ptr()), reinterpret_cast<bf16 *>(vp.data_ptr()),
+        keys.stride(0), keys.stride(2), keys.stride(3), (int)S);
+    C10_CUDA_CHECK(cudaGetLastError());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("pack_context", &pack_context, "the cached K/V in the kernel's fragment order");
     m.def("step", &step, "one flow step of the DiT blocks (cluster kernel)");
     m.def("max_active_clusters", &max_active_clusters, "resident clusters of the kernel");
     m.def("constants", &constants, "the kernel's compiled sizes");

@@ -128,16 +128,36 @@ def pack_weights(w) -> torch.Tensor:
     return flat
 
 
-def pack_context(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_context(keys: torch.Tensor, values: torch.Tensor, ext=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached cross-attention K/V (n_blocks, 1, H, S, HD) (any strides) -> (n_blocks, H,
     S * HD) each, in the kernel's fragment order: keys as the B operand of q K^T (n-tiles of 8
     keys, k-steps over the head dim), values as the B operand of P V, k-step (16 keys) major so
-    that each CTA's eighth of the keys is one contiguous range."""
+    that each CTA's eighth of the keys is one contiguous range. With `ext` (the loaded
+    extension) and bf16 CUDA tensors whose head dim is contiguous, one kernel reads each tile
+    once and writes both outputs (`pack_context_kernel` in cluster_dit.cu); else torch's
+    permute copies (a few passes over the 2 x 92 MB of the full-size model)."""
     nb, _, h, s, hd = keys.shape
+    if ext is not None and _packable(keys, values):
+        kp = torch.empty((nb, h, s * hd), device=keys.device, dtype=keys.dtype)
+        vp = torch.empty_like(kp)
+        ext.pack_context(keys, values, kp, vp)
+        return kp, vp
     kp = pack_b(keys[:, 0]).reshape(nb, h, s * hd)
     vp = pack_b(values[:, 0].transpose(-1, -2))                # (nb, h, hd/8, s/16, 32, 4)
     vp = vp.permute(0, 1, 3, 2, 4, 5).reshape(nb, h, s * hd)
     return kp, vp
+
+
+def _packable(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the extension's pack kernel takes these K/V: bf16 on CUDA, (nb, 1, H, S, HD),
+    S % 16 == 0, the same strides, the head dim contiguous, rows 16-byte aligned."""
+    st = keys.stride()
+    return (keys.is_cuda and keys.dtype == values.dtype == torch.bfloat16
+            and keys.shape == values.shape and keys.shape[1] == 1 and keys.shape[2] == H
+            and keys.shape[4] == HD and keys.shape[3] % 16 == 0 and st == values.stride()
+            and st[4] == 1 and st[0] % 8 == 0 and st[2] % 8 == 0 and st[3] % 8 == 0
+            and keys.data_ptr() % 16 == 0 and values.data_ptr() % 16 == 0)
 
 
 STALE_LOCK_S = 900.0        # a build takes ~1 min: a lock this old was left by an interrupted one
@@ -265,7 +285,7 @@ class ClusterDiTStep:
 
     def packed_context(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx is not self._ctx:
-            self._packed = pack_context(ctx.keys, ctx.values)
+            self._packed = pack_context(ctx.keys, ctx.values, self.ext)
             self._ctx = ctx
         return self._packed
 
