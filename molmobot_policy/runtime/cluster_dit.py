@@ -33,7 +33,8 @@ for every CTA of the cluster to arrive:
   rounds, reloading every late value before it looks at any again: one L2 round trip per
   round, where polling a value at a time costs one per late head.
 - weights (repacked once at load time into each CTA's stream, in mma fragment order) and the
-  cached cross-attention K/V (repacked once per query, `pack_context`) stream into a ring of
+  cached cross-attention K/V (repacked once per query by one kernel of the extension that
+  reads each 16-key tile once, `pack_context`) stream into a ring of
   11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
   their use: weights never depend on activations. Each block's small epilogue operands
   (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
