@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import types
 
 import pytest
@@ -136,45 +135,80 @@ def test_auto_prefers_the_cluster_kernel_then_the_triton_kernel_saying_why(monke
 
 
 @pytest.fixture
-def fresh_extension(monkeypatch, tmp_path):
-    """cluster_dit's extension state reset, builds under tmp_path, nvcc 'found' and torch's
-    builder replaced by a stub that records the lock file's presence when it is called."""
-    from torch.utils import cpp_extension
+def fresh_library(monkeypatch, tmp_path):
+    """cluster_dit's library state reset, its cache under tmp_path/cache, torch 'with CUDA'."""
     monkeypatch.setattr(cd, '_ext', None)
     monkeypatch.setattr(cd, '_ext_error', '')
-    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
-    monkeypatch.setattr(cpp_extension, 'CUDA_HOME', '/usr/local/cuda')
+    monkeypatch.setenv('MOLMOBOT_KERNEL_CACHE', str(tmp_path / 'cache'))
     monkeypatch.setattr(torch.version, 'cuda', '13.0')
-    calls = []
-
-    def load(name, sources, build_directory, **kwargs):
-        calls.append(os.path.exists(os.path.join(build_directory, 'lock')))
-        return types.SimpleNamespace(name=name)
-    monkeypatch.setattr(cpp_extension, 'load', load)
-    return calls
+    return tmp_path
 
 
-def test_a_build_lock_left_by_an_interrupted_build_is_removed_a_fresh_one_kept(fresh_extension):
-    build = cd.build_directory()
-    os.makedirs(build)
-    lock = os.path.join(build, 'lock')
-    open(lock, 'w').close()
-    old = time.time() - cd.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    assert cd.load_extension() is not None
-    assert fresh_extension == [False]            # removed before torch's builder ran
-    cd._ext = None
-    open(lock, 'w').close()                      # a build in progress elsewhere: left alone
-    cd.load_extension()
-    assert fresh_extension == [False, True]
+def fake_nvcc(tmp_path, body: str) -> str:
+    """An executable standing in for nvcc: records its arguments, then runs `body` (sh; the
+    arguments end with `-o OUTPUT SOURCE`)."""
+    path = tmp_path / 'nvcc'
+    path.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\n{body}\n')
+    path.chmod(0o755)
+    return str(path)
 
 
-def test_without_nvcc_the_kernel_says_so_and_is_not_built(fresh_extension, monkeypatch):
+@pytest.mark.skipif(cd.find_nvcc() is None, reason='needs nvcc on this machine')
+def test_the_library_builds_with_nvcc_alone_and_reports_the_sizes_it_was_compiled_with(
+        fresh_library):
+    """The real source through the real nvcc (no torch headers, no GPU needed to build or
+    load it): the C interface answers through ctypes with the sizes this module assumes, and
+    names a CUDA error by its message."""
+    path = cd.library_path()
+    cd.build(path, cd.find_nvcc())
+    lib = cd.Library(path)
+    assert lib.constants()[:10] == [cd.D, cd.H, cd.HD, cd.F, cd.R, cd.MAX_TOKENS, cd.SLOT_E,
+                                    cd.WSLOTS, cd.GROUPS_PER_SLOT, cd.MAX_KV_SLOTS]
+    with pytest.raises(RuntimeError, match='the step launch failed: out of memory'):
+        lib._check(2, 'the step launch')           # cudaErrorMemoryAllocation
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
+def test_nvcc_writes_beside_the_library_and_only_a_whole_one_is_renamed_into_place(
+        fresh_library):
+    nvcc = fake_nvcc(fresh_library, 'while [ $# -gt 2 ]; do shift; done; printf lib > "$1"')
+    path = cd.library_path()
+    cd.build(path, nvcc)
+    args = (fresh_library / 'args').read_text().split()
+    target = args[args.index('-o') + 1]
+    assert target != path and target.startswith(path) and target.endswith('.tmp')
+    assert open(path).read() == 'lib'
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
+def test_a_failed_build_says_why_and_leaves_nothing_behind(fresh_library, monkeypatch):
+    nvcc = fake_nvcc(fresh_library, 'while [ $# -gt 2 ]; do shift; done; printf half > "$1"\n'
+                     'echo "cluster_dit.cu(12): error: something is wrong" >&2; exit 2')
+    monkeypatch.setattr(cd, 'find_nvcc', lambda: nvcc)
+    assert cd.load_extension() is None
+    assert cd._ext_error.startswith('the kernel library did not build or load: RuntimeError: '
+                                    'nvcc exited with 2: cluster_dit.cu(12): error: something')
+    assert os.listdir(os.path.dirname(cd.library_path())) == []
+
+
+def test_an_edited_kernel_source_gets_its_own_library(fresh_library, monkeypatch):
+    source = fresh_library / 'cluster_dit.cu'
+    source.write_bytes(open(cd._SOURCE, 'rb').read())
+    monkeypatch.setattr(cd, '_SOURCE', str(source))
+    before = cd.library_path()
+    source.write_bytes(source.read_bytes() + b'// edited\n')
+    assert cd.library_path() != before
+    assert os.path.dirname(cd.library_path()) == str(fresh_library / 'cache')
+
+
+def test_without_nvcc_the_kernel_says_so_and_is_not_built(fresh_library, monkeypatch):
     from torch.utils import cpp_extension
     monkeypatch.setattr(cpp_extension, 'CUDA_HOME', None)
+    monkeypatch.setenv('PATH', str(fresh_library))         # no nvcc there
+    assert cd.find_nvcc() is None
     assert cd.load_extension() is None
     assert cd._ext_error.startswith('nvcc not found')
-    assert fresh_extension == []
+    assert not os.path.exists(fresh_library / 'cache')
 
 
 # ------------------------------------------------------------------ a model of the schedule

@@ -964,9 +964,10 @@ __global__ void __launch_bounds__(PACK_THREADS) pack_context_kernel(
 }  // namespace cdit
 
 // ------------------------------------------------------------------------------ host side
-#ifndef CLUSTER_DIT_DEVICE_ONLY      // (defined for a compile check without torch)
-#include <torch/extension.h>
-#include <c10/cuda/CUDAStream.h>
+// A plain C interface (no torch headers: the library builds in seconds with nvcc alone and
+// links the CUDA runtime statically), called through ctypes by cluster_dit.py, which checks
+// shapes, dtypes and strides first. Each function returns a cudaError_t (0: success) and
+// launches on the given stream of the given device.
 
 static cudaLaunchConfig_t launch_config(cudaStream_t stream, cudaLaunchAttribute *attr) {
     cudaLaunchConfig_t cfg = {};
@@ -983,100 +984,92 @@ static cudaLaunchConfig_t launch_config(cudaStream_t stream, cudaLaunchAttribute
     return cfg;
 }
 
-static void set_attributes() {
-    static bool done = false;
-    if (!done) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(cdit::dit_step_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            cdit::SMEM_BYTES));
-        done = true;
+#define CDIT_TRY(call) do { const int e_ = (int)(call); if (e_ != 0) return e_; } while (0)
+
+// selects `device` for this thread (in this library's CUDA runtime, which torch's does not
+// see) and, once per device, lets the kernel take its shared memory (before any graph capture:
+// the first call is the availability check at configure)
+static int use_device(int device) {
+    static bool attribute_set[64] = {};
+    if (device < 0 || device >= 64) return (int)cudaErrorInvalidDevice;
+    CDIT_TRY(cudaSetDevice(device));
+    if (!attribute_set[device]) {
+        CDIT_TRY(cudaFuncSetAttribute(cdit::dit_step_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      cdit::SMEM_BYTES));
+        attribute_set[device] = true;
     }
+    return 0;
 }
 
-// clusters of this kernel resident at once on the current device (H are needed)
-int64_t max_active_clusters() {
-    set_attributes();
+extern "C" {
+
+// the kernel's compiled sizes: D, H, HD, F, R, MR, SLOT_E, WSLOTS, GROUPS_PER_SLOT,
+// MAX_KV_SLOTS, SMEM_BYTES (n <= 11 of them written)
+int cdit_constants(long long *out, int n) {
+    const long long c[] = {cdit::D, cdit::H, cdit::HD, cdit::F, cdit::R, cdit::MR, cdit::SLOT_E,
+                           cdit::WSLOTS, cdit::GROUPS_PER_SLOT, cdit::MAX_KV_SLOTS,
+                           cdit::SMEM_BYTES};
+    for (int i = 0; i < n && i < 11; ++i) out[i] = c[i];
+    return 0;
+}
+
+const char *cdit_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
+
+// clusters of this kernel resident at once on `device` (H are needed)
+int cdit_max_active_clusters(int device, int *out) {
+    CDIT_TRY(use_device(device));
     cudaLaunchAttribute attr[1];
     cudaLaunchConfig_t cfg = launch_config(0, attr);
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, cdit::dit_step_kernel, &cfg));
-    return n;
+    return (int)cudaOccupancyMaxActiveClusters(out, cdit::dit_step_kernel, &cfg);
 }
 
-std::vector<int64_t> constants() {
-    return {cdit::D, cdit::H, cdit::HD, cdit::F, cdit::R, cdit::MR, cdit::SLOT_E, cdit::WSLOTS,
-            cdit::GROUPS_PER_SLOT, cdit::MAX_KV_SLOTS, cdit::SMEM_BYTES};
-}
-
-void step(torch::Tensor x_in, torch::Tensor out, torch::Tensor mod, torch::Tensor tables,
-          torch::Tensor wp, torch::Tensor bq1, torch::Tensor bkv1, torch::Tensor bo1,
-          torch::Tensor bq2, torch::Tensor bo2, torch::Tensor b1, torch::Tensor b2,
-          torch::Tensor kp, torch::Tensor vp, torch::Tensor mask_bias, torch::Tensor part,
-          c10::optional<torch::Tensor> trace, int64_t T, int64_t S,
-          int64_t nb, int64_t nkv, int64_t prefetch, int64_t mode, double eps, double sm_scale) {
-    for (const auto &x : {x_in, out, mod, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias})
-        TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
-                    "cluster_dit.step: bf16 contiguous CUDA tensors expected");
-    TORCH_CHECK(tables.scalar_type() == torch::kFloat32 && part.scalar_type() == torch::kFloat32
-                && part.is_contiguous() && part.numel() == 3 * cdit::H * cdit::MR * cdit::D,
-                "cluster_dit.step: part must be (3, H, 16, D) float32 contiguous");
-    TORCH_CHECK(T >= 1 && T <= cdit::MR && S % 16 == 0 && nkv >= 1 && nkv <= cdit::MAX_KV_SLOTS,
-                "cluster_dit.step: T, S or nkv out of range");
-    set_attributes();
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    // zero partials carry parity 0, which block 0 (parity 1) never takes for its own
-    C10_CUDA_CHECK(cudaMemsetAsync(part.data_ptr(), 0, part.numel() * 4, stream));
-    auto bp = [](const torch::Tensor &x) { return reinterpret_cast<const bf16 *>(x.data_ptr()); };
+// one flow step. ptr: x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
+// mask_bias, part, trace (null or clock64 stamps); ints: T, S, nb, nkv, prefetch, mode;
+// floats: eps, sm_scale (the fields of cdit::Params)
+int cdit_step(int device, void *stream, void *const *ptr, const long long *ints,
+              const float *floats) {
+    CDIT_TRY(use_device(device));
+    cudaStream_t st = static_cast<cudaStream_t>(stream);
     cdit::Params p;
-    p.x_in = bp(x_in);
-    p.out = reinterpret_cast<bf16 *>(out.data_ptr());
-    p.mod = bp(mod);
-    p.tables = tables.data_ptr<float>();
-    p.wp = bp(wp);
-    p.bq1 = bp(bq1); p.bkv1 = bp(bkv1); p.bo1 = bp(bo1); p.bq2 = bp(bq2); p.bo2 = bp(bo2);
-    p.b1 = bp(b1); p.b2 = bp(b2);
-    p.kp = bp(kp); p.vp = bp(vp); p.mask_bias = bp(mask_bias);
-    p.part = part.data_ptr<float>();
-    p.trace = trace.has_value() ? reinterpret_cast<long long *>(trace->data_ptr()) : nullptr;
-    p.T = (int)T; p.S = (int)S; p.nb = (int)nb; p.nkv = (int)nkv; p.prefetch = (int)prefetch;
-    p.mode = (int)mode;
-    p.eps = (float)eps; p.sm_scale = (float)sm_scale;
+    p.x_in = static_cast<const bf16 *>(ptr[0]);
+    p.out = static_cast<bf16 *>(ptr[1]);
+    p.mod = static_cast<const bf16 *>(ptr[2]);
+    p.tables = static_cast<const float *>(ptr[3]);
+    p.wp = static_cast<const bf16 *>(ptr[4]);
+    p.bq1 = static_cast<const bf16 *>(ptr[5]);
+    p.bkv1 = static_cast<const bf16 *>(ptr[6]);
+    p.bo1 = static_cast<const bf16 *>(ptr[7]);
+    p.bq2 = static_cast<const bf16 *>(ptr[8]);
+    p.bo2 = static_cast<const bf16 *>(ptr[9]);
+    p.b1 = static_cast<const bf16 *>(ptr[10]);
+    p.b2 = static_cast<const bf16 *>(ptr[11]);
+    p.kp = static_cast<const bf16 *>(ptr[12]);
+    p.vp = static_cast<const bf16 *>(ptr[13]);
+    p.mask_bias = static_cast<const bf16 *>(ptr[14]);
+    p.part = static_cast<float *>(ptr[15]);
+    p.trace = static_cast<long long *>(ptr[16]);
+    p.T = (int)ints[0]; p.S = (int)ints[1]; p.nb = (int)ints[2]; p.nkv = (int)ints[3];
+    p.prefetch = (int)ints[4]; p.mode = (int)ints[5];
+    p.eps = floats[0]; p.sm_scale = floats[1];
+    // zero partials carry parity 0, which block 0 (parity 1) never takes for its own
+    CDIT_TRY(cudaMemsetAsync(p.part, 0, sizeof(float) * 3 * cdit::H * cdit::MR * cdit::D, st));
     cudaLaunchAttribute attr[1];
-    cudaLaunchConfig_t cfg = launch_config(stream, attr);
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, cdit::dit_step_kernel, p));
+    cudaLaunchConfig_t cfg = launch_config(st, attr);
+    CDIT_TRY(cudaLaunchKernelEx(&cfg, cdit::dit_step_kernel, p));
+    return (int)cudaGetLastError();
 }
 
-// keys / values (nb, 1, H, S, HD) bf16 CUDA, head dim contiguous, 16-byte aligned rows ->
-// kp, vp (nb, H, S * HD) contiguous (see cdit::pack_context_kernel)
-void pack_context(torch::Tensor keys, torch::Tensor values, torch::Tensor kp, torch::Tensor vp) {
-    TORCH_CHECK(keys.dim() == 5 && keys.sizes() == values.sizes() && keys.size(1) == 1
-                && keys.size(2) == cdit::H && keys.size(4) == cdit::HD && keys.size(3) % 16 == 0,
-                "cluster_dit.pack_context: keys / values must be (nb, 1, H, S, HD), S % 16 == 0");
-    for (const auto &x : {keys, values, kp, vp})
-        TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16
-                    && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
-                    "cluster_dit.pack_context: bf16 CUDA tensors, 16-byte aligned, expected");
-    TORCH_CHECK(keys.strides() == values.strides() && keys.stride(4) == 1
-                && keys.stride(0) % 8 == 0 && keys.stride(2) % 8 == 0 && keys.stride(3) % 8 == 0,
-                "cluster_dit.pack_context: keys and values need the same strides, the head dim "
-                "contiguous and the others multiples of 8");
-    const int64_t nb = keys.size(0), S = keys.size(3);
-    TORCH_CHECK(kp.is_contiguous() && vp.is_contiguous() && kp.numel() == nb * cdit::H * S * cdit::HD
-                && vp.numel() == kp.numel(), "cluster_dit.pack_context: kp / vp must be "
-                "(nb, H, S * HD) contiguous");
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+// the cached K/V repack (cdit::pack_context_kernel); strides in elements
+int cdit_pack_context(int device, void *stream, const void *keys, const void *values, void *kp,
+                      void *vp, long long s_blk, long long s_head, long long s_key, int nb,
+                      int S) {
+    CDIT_TRY(use_device(device));
     dim3 grid((unsigned)(S / 16), cdit::H, (unsigned)nb);
-    cdit::pack_context_kernel<<<grid, cdit::PACK_THREADS, 0, stream>>>(
-        reinterpret_cast<const bf16 *>(keys.data_ptr()), reinterpret_cast<const bf16 *>(values.data_ptr()),
-        reinterpret_cast<bf16 *>(kp.data_ptr()), reinterpret_cast<bf16 *>(vp.data_ptr()),
-        keys.stride(0), keys.stride(2), keys.stride(3), (int)S);
-    C10_CUDA_CHECK(cudaGetLastError());
+    cdit::pack_context_kernel<<<grid, cdit::PACK_THREADS, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const bf16 *>(keys), static_cast<const bf16 *>(values),
+        static_cast<bf16 *>(kp), static_cast<bf16 *>(vp), s_blk, s_head, s_key, S);
+    return (int)cudaGetLastError();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("pack_context", &pack_context, "the cached K/V in the kernel's fragment order");
-    m.def("step", &step, "one flow step of the DiT blocks (cluster kernel)");
-    m.def("max_active_clusters", &max_active_clusters, "resident clusters of the kernel");
-    m.def("constants", &constants, "the kernel's compiled sizes");
-}
-#endif  // CLUSTER_DIT_DEVICE_ONLY
+}  // extern "C"

@@ -49,18 +49,25 @@ with a log line saying why; `cluster` requires it; docs/decisions/cluster-dit-ke
 Limits (`unavailable_reason` names the one that fails): the model's sizes compiled into the
 kernel (hidden 768, 8 heads, MLP 3072), at most 16 action tokens (`states_mode: cross_attn`
 at horizon 16), bf16, an sm_90 GPU with room for 8 resident clusters of 8 (the grid waits on
-itself: all 64 CTAs must be resident), nvcc and ninja to build the extension (torch's
-cpp_extension, on first use, ~1 min, cached under TORCH_EXTENSIONS_DIR: `build_directory()`;
+itself: all 64 CTAs must be resident), and nvcc to build the kernel library (built and
+tested with CUDA 13.0; the library links nvcc's CUDA runtime statically, so its version need
+not match torch's, only the driver must support it): a plain shared library with a
+C interface, no torch headers, called through ctypes (`Library`); built on first use in
+~10-20 s and cached per source digest under `build_directory()` (`library_path()`;
 `python -m molmobot_policy.runtime.cluster_dit` builds it ahead). A context outside
 128..2048 keys in multiples of 16 runs through the Triton kernel at call time.
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import math
 import os
+import shutil
+import subprocess
 import sys
-import time
+import threading
 
 import torch
 
@@ -161,53 +168,184 @@ def _packable(keys: torch.Tensor, values: torch.Tensor) -> bool:
             and keys.data_ptr() % 16 == 0 and values.data_ptr() % 16 == 0)
 
 
-STALE_LOCK_S = 900.0        # a build takes ~1 min: a lock this old was left by an interrupted one
+NVCC_FLAGS = ('-O3', '-std=c++17', '-gencode=arch=compute_90a,code=sm_90a', '-shared',
+              '-Xcompiler', '-fPIC')         # the CUDA runtime is linked statically (nvcc's default)
+BUILD_TIMEOUT_S = 600.0
 
 
 def build_directory() -> str:
-    """Where torch's cpp_extension builds and caches the kernel: one directory per extension
-    name, Python, torch and CUDA version, under TORCH_EXTENSIONS_DIR (default
-    ~/.cache/torch_extensions)."""
-    root = os.environ.get('TORCH_EXTENSIONS_DIR') or os.path.join(
-        os.path.expanduser('~'), '.cache', 'torch_extensions')
-    tag = (f'py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}'
-           f'_cu{torch.version.cuda}').replace('+', '_')
-    return os.path.join(root, tag, _EXT_NAME)
+    """Where the built kernel library is cached: MOLMOBOT_KERNEL_CACHE, else
+    $XDG_CACHE_HOME/molmobot_policy (default ~/.cache/molmobot_policy)."""
+    root = os.environ.get('MOLMOBOT_KERNEL_CACHE')
+    if root:
+        return root
+    cache = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return os.path.join(cache, 'molmobot_policy')
 
 
-def load_extension():
-    """The compiled kernel (built with nvcc on first use, ~1 min, then loaded from
-    `build_directory()`), or None with the reason in `_ext_error` (logged once). A build lock
-    older than STALE_LOCK_S is removed first (torch's builder would wait on it forever after
-    an interrupted build)."""
+def library_path() -> str:
+    """The library built from this source with these flags: one file per source digest, so
+    an edited kernel is rebuilt and never mixed up with an older build."""
+    digest = hashlib.sha256()
+    with open(_SOURCE, 'rb') as f:
+        digest.update(f.read())
+    digest.update(' '.join(NVCC_FLAGS).encode())
+    return os.path.join(build_directory(), f'{_EXT_NAME}-{digest.hexdigest()[:16]}.so')
+
+
+def find_nvcc() -> str | None:
+    """nvcc's path: under torch's CUDA_HOME (`torch.utils.cpp_extension`: CUDA_HOME or
+    CUDA_PATH, else nvcc on the PATH, else /usr/local/cuda), else on the PATH; None if none."""
+    from torch.utils import cpp_extension
+    if cpp_extension.CUDA_HOME:
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, 'bin', 'nvcc')
+        if os.access(nvcc, os.X_OK):
+            return nvcc
+    return shutil.which('nvcc')
+
+
+def build(path: str, nvcc: str) -> None:
+    """Compiles cluster_dit.cu into the shared library `path` (~10-20 s). nvcc writes a file
+    of its own beside `path`, renamed into place when complete: a reader sees a whole library
+    or none, and builds racing in several processes each finish with a whole library (no
+    lock to go stale). Raises RuntimeError with the end of nvcc's output when it fails."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f'{path}.{os.getpid()}.{threading.get_ident()}.tmp'
+    try:
+        done = subprocess.run([nvcc, *NVCC_FLAGS, '-o', tmp, _SOURCE], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f'nvcc exited with {done.returncode}: '
+                               f'{(done.stderr or done.stdout).strip()[-300:]}')
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+class Library:
+    """The kernel library through ctypes (the C functions at the end of cluster_dit.cu). The
+    C side trusts its arguments; these methods check them first (ValueError naming the
+    tensor), and raise RuntimeError with CUDA's message where a call fails."""
+
+    def __init__(self, path: str) -> None:
+        c = ctypes
+        lib = c.CDLL(path)
+        lib.cdit_error_string.argtypes, lib.cdit_error_string.restype = [c.c_int], c.c_char_p
+        lib.cdit_constants.argtypes = [c.POINTER(c.c_longlong), c.c_int]
+        lib.cdit_max_active_clusters.argtypes = [c.c_int, c.POINTER(c.c_int)]
+        lib.cdit_step.argtypes = [c.c_int, c.c_void_p, c.POINTER(c.c_void_p),
+                                  c.POINTER(c.c_longlong), c.POINTER(c.c_float)]
+        lib.cdit_pack_context.argtypes = [c.c_int, c.c_void_p] + [c.c_void_p] * 4 + [
+            c.c_longlong] * 3 + [c.c_int] * 2
+        for name in ('cdit_constants', 'cdit_max_active_clusters', 'cdit_step',
+                     'cdit_pack_context'):
+            getattr(lib, name).restype = c.c_int
+        self.lib = lib
+
+    def _check(self, error: int, what: str) -> None:
+        if error:
+            message = self.lib.cdit_error_string(error).decode(errors='replace')
+            raise RuntimeError(f'cluster DiT kernel: {what} failed: {message} ({error})')
+
+    def constants(self) -> list[int]:
+        """D, H, HD, F, R, MR, SLOT_E, WSLOTS, GROUPS_PER_SLOT, MAX_KV_SLOTS, SMEM_BYTES as
+        compiled."""
+        out = (ctypes.c_longlong * 11)()
+        self._check(self.lib.cdit_constants(out, 11), 'constants')
+        return list(out)
+
+    def max_active_clusters(self, device: torch.device) -> int:
+        """Clusters of the kernel resident at once on `device` (H are needed)."""
+        n = ctypes.c_int(0)
+        self._check(self.lib.cdit_max_active_clusters(_index(device), ctypes.byref(n)),
+                    'the occupancy query')
+        return n.value
+
+    def step(self, x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
+             mask_bias, part, trace, T: int, S: int, nb: int, nkv: int, prefetch: int,
+             mode: int, eps: float, sm_scale: float) -> None:
+        """One launch of the kernel (after zeroing `part`) on the current stream of x_in's
+        device; the tensors as `cdit::Params` in cluster_dit.cu describes them."""
+        named = dict(x_in=x_in, out=out, mod=mod, wp=wp, bq1=bq1, bkv1=bkv1, bo1=bo1, bq2=bq2,
+                     bo2=bo2, b1=b1, b2=b2, kp=kp, vp=vp, mask_bias=mask_bias)
+        for name, t in named.items():
+            _require(t, name, torch.bfloat16, x_in.device)
+        _require(tables, 'tables', torch.float32, x_in.device)
+        _require(part, 'part', torch.float32, x_in.device)
+        if part.numel() != 3 * H * MAX_TOKENS * D:
+            raise ValueError(f'part must be (3, {H}, {MAX_TOKENS}, {D}), got {tuple(part.shape)}')
+        if trace is not None:
+            _require(trace, 'trace', torch.int64, x_in.device)
+        if not (1 <= T <= MAX_TOKENS and S % 16 == 0 and 1 <= nkv <= MAX_KV_SLOTS):
+            raise ValueError(f'T={T}, S={S} or nkv={nkv} out of range')
+        ptrs = (ctypes.c_void_p * 17)(*[t.data_ptr() for t in (
+            x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias,
+            part)], trace.data_ptr() if trace is not None else None)
+        ints = (ctypes.c_longlong * 6)(T, S, nb, nkv, prefetch, mode)
+        floats = (ctypes.c_float * 2)(eps, sm_scale)
+        self._check(self.lib.cdit_step(_index(x_in.device), _stream(x_in.device), ptrs, ints,
+                                       floats), 'the step launch')
+
+    def pack_context(self, keys, values, kp, vp) -> None:
+        """keys / values (nb, 1, H, S, HD) as `_packable` takes them -> kp, vp (nb, H, S * HD)
+        contiguous, on the current stream."""
+        if not _packable(keys, values):
+            raise ValueError('keys / values: bf16 CUDA (nb, 1, H, S, HD), S % 16 == 0, the '
+                             'same strides, the head dim contiguous, the others multiples of 8')
+        nb, s = keys.shape[0], keys.shape[3]
+        for name, t in (('kp', kp), ('vp', vp)):
+            _require(t, name, torch.bfloat16, keys.device)
+            if t.numel() != nb * H * s * HD:
+                raise ValueError(f'{name} must be ({nb}, {H}, {s * HD}), got {tuple(t.shape)}')
+        st = keys.stride()
+        self._check(self.lib.cdit_pack_context(
+            _index(keys.device), _stream(keys.device), keys.data_ptr(), values.data_ptr(),
+            kp.data_ptr(), vp.data_ptr(), st[0], st[2], st[3], nb, s), 'the K/V repack')
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _require(t: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    if not (t.device == device and t.dtype == dtype and t.is_contiguous()):
+        raise ValueError(f'{name} must be a contiguous {dtype} tensor on {device}, got '
+                         f'{t.dtype} on {t.device}' + ('' if t.is_contiguous()
+                                                        else ' (not contiguous)'))
+
+
+def load_extension() -> Library | None:
+    """The kernel library (built with nvcc on first use, ~10-20 s, then loaded from
+    `library_path()`), or None with the reason in `_ext_error` (logged once)."""
     global _ext, _ext_error
     if _ext is not None or _ext_error:
         return _ext
-    from torch.utils import cpp_extension
+    nvcc = find_nvcc()
     if torch.version.cuda is None:
         _ext_error = f'this torch ({torch.__version__}) is built without CUDA'
-    elif cpp_extension.CUDA_HOME is None:
+    elif nvcc is None:
         _ext_error = 'nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on the PATH)'
     if _ext_error:
         log.warning('cluster DiT kernel: %s', _ext_error)
         return None
-    build = build_directory()
+    path = library_path()
     try:
-        os.makedirs(build, exist_ok=True)
-        lock = os.path.join(build, 'lock')
-        if os.path.exists(lock):
-            age = time.time() - os.path.getmtime(lock)
-            if age > STALE_LOCK_S:
-                log.warning('cluster DiT kernel: removing %s, left by a build interrupted %.0f '
-                            'min ago', lock, age / 60)
-                os.remove(lock)
-        log.info('cluster DiT kernel: loading the CUDA extension from %s (nvcc builds it on '
-                 'first use, ~1 min)', build)
-        flags = ['-O3', '-gencode=arch=compute_90a,code=sm_90a', '-std=c++17']
-        _ext = cpp_extension.load(_EXT_NAME, sources=[_SOURCE], build_directory=build,
-                                  extra_cuda_cflags=flags, verbose=False)
+        if not os.path.exists(path):
+            log.info('cluster DiT kernel: building %s with %s (~10-20 s, once)', path, nvcc)
+            build(path, nvcc)
+        lib = Library(path)
+        compiled = lib.constants()
+        expected = [D, H, HD, F, R, MAX_TOKENS, SLOT_E, WSLOTS, GROUPS_PER_SLOT, MAX_KV_SLOTS]
+        if compiled[:10] != expected:
+            raise RuntimeError(f'{path} holds sizes {compiled[:10]}, this module {expected}')
+        _ext = lib
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve the fallback
-        _ext_error = f'the CUDA extension did not build: {type(exc).__name__}: {str(exc)[-300:]}'
+        _ext_error = f'the kernel library did not build or load: {type(exc).__name__}: {exc}'
         log.warning('cluster DiT kernel: %s', _ext_error)
     return _ext
 
@@ -240,7 +378,7 @@ def unavailable_reason(ae, device: torch.device, dtype: torch.dtype, context: in
     ext = load_extension()
     if ext is None:
         return _ext_error
-    resident = int(ext.max_active_clusters())
+    resident = ext.max_active_clusters(device)
     if resident < H:
         return f'{resident} clusters of {R} fit on this GPU at once, {H} are needed'
     return ''
@@ -328,14 +466,14 @@ class ClusterDiTStep:
 def main() -> int:
     """`python -m molmobot_policy.runtime.cluster_dit`: builds the kernel now (or finds it
     built) and says where, or why it cannot; exit status 0 or 1. For a set-up step, so that
-    the node's first configure does not spend the ~1 min build."""
+    the node's first configure does not spend the build (~10-20 s)."""
     import argparse
     argparse.ArgumentParser(prog='python -m molmobot_policy.runtime.cluster_dit',
                             description=main.__doc__.split(':', 1)[1].strip()).parse_args()
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     if load_extension() is None:            # (the reason is logged)
         return 1
-    print(f'cluster DiT kernel ready: {build_directory()}')
+    print(f'cluster DiT kernel ready: {library_path()}')
     return 0
 
 
