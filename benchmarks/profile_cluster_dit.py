@@ -12,8 +12,8 @@ and one flow step's inputs (a 1664-token context + the state token), then:
   points of each block) and prints, per phase, the median over blocks 1..35 of CTA 0, the
   median over the 64 CTAs and their maximum, in us at `--mhz`.
 
-    python3 benchmarks/profile_cluster_dit.py --out $OUT/profile_cluster_dit.json   (H200: ~2 min,
-                                                            of which ~1 min builds the kernel)
+    python3 benchmarks/profile_cluster_dit.py --out $OUT/profile_cluster_dit.json   (H200: ~1 min,
+                                                            of which ~15 s builds the kernel)
 
 Writes JSON with `common.provenance()`. CUDA (sm_90) only; elsewhere it says why and exits 2.
 """

@@ -204,8 +204,8 @@ PARAMETERS = {
         'ViT on an H200)', _B)),
     'fused_action_expert': ('auto', descriptor(
         "each flow step's DiT blocks as one kernel (CUDA): the thread-block-cluster kernel "
-        '(Hopper, bfloat16, the full-size expert; built with nvcc and ninja on first use, ~1 '
-        'min), or the persistent Triton kernel (bfloat16 or float16)', _S,
+        '(Hopper, bfloat16, the full-size expert; built with nvcc on first use, ~10-20 s), '
+        'or the persistent Triton kernel (bfloat16 or float16)', _S,
         constraints="'auto' (with compile or cuda_graphs: the cluster kernel where it can "
                     "serve, else the Triton kernel, else the blocks, logged), "
                     "'cluster' (required: configure fails where it cannot serve), "

@@ -64,7 +64,7 @@ class EngineConfig:
         fused_action_expert: run each flow step's DiT blocks as one kernel (CUDA, with
             kv_cache): 'auto' (default), when the engine compiles or captures graphs, runs
             the thread-block-cluster kernel (`runtime.cluster_dit`: Hopper, bf16, the
-            full-size expert's widths; built with nvcc on first use, ~1 min) where it can
+            full-size expert's widths; built with nvcc on first use, ~10-20 s) where it can
             serve, else the persistent Triton kernel (`runtime.fused_dit`: bf16/fp16), else
             the compiled blocks, with a log line saying why; 'cluster' requires the cluster
             kernel and 'on' / 'triton' the Triton kernel (error otherwise; True / False read

@@ -206,7 +206,7 @@ def fused_kernel_choice(config, ae: ActionExpert) -> tuple[str, str]:
     'on', 'triton') or '' (the compiled blocks), and why the preferred kernel does not serve
     ('' when it does), for `PolicyEngine.mode` and a log line. 'auto' prefers the cluster
     kernel: the faster one where it serves (docs/decisions/cluster-dit-kernel.md), and asking
-    builds it (nvcc, ~1 min, once). Raises ValueError where `fused_action_expert` requires a
+    builds it (nvcc, ~10-20 s, once). Raises ValueError where `fused_action_expert` requires a
     kernel ('on', 'triton', 'cluster') that cannot serve."""
     mode = config.fused_action_expert
     if mode == 'off':
