@@ -33,7 +33,7 @@ for every CTA of the cluster to arrive:
   rounds, reloading every late value before it looks at any again: one L2 round trip per
   round, where polling a value at a time costs one per late head.
 - weights (repacked once at load time into each CTA's stream, in mma fragment order) and the
-  cached cross-attention K/V (repacked once per query by one kernel of the extension that
+  cached cross-attention K/V (repacked once per query by one kernel of the library that
   reads each 16-key tile once, `pack_context`) stream into a ring of
   11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
   their use: weights never depend on activations. Each block's small epilogue operands
@@ -149,7 +149,7 @@ def pack_context(keys: torch.Tensor, values: torch.Tensor, ext=None
     S * HD) each, in the kernel's fragment order: keys as the B operand of q K^T (n-tiles of 8
     keys, k-steps over the head dim), values as the B operand of P V, k-step (16 keys) major so
     that each CTA's eighth of the keys is one contiguous range. With `ext` (the loaded
-    extension) and bf16 CUDA tensors whose head dim is contiguous, one kernel reads each tile
+    library) and bf16 CUDA tensors whose head dim is contiguous, one kernel reads each tile
     once and writes both outputs (`pack_context_kernel` in cluster_dit.cu); else torch's
     permute copies (a few passes over the 2 x 92 MB of the full-size model)."""
     nb, _, h, s, hd = keys.shape
@@ -165,7 +165,7 @@ def pack_context(keys: torch.Tensor, values: torch.Tensor, ext=None
 
 
 def _packable(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the extension's pack kernel takes these K/V: bf16 on CUDA, (nb, 1, H, S, HD),
+    """Whether the library's pack kernel takes these K/V: bf16 on CUDA, (nb, 1, H, S, HD),
     S % 16 == 0, the same strides, the head dim contiguous, rows 16-byte aligned."""
     st = keys.stride()
     return (keys.is_cuda and keys.dtype == values.dtype == torch.bfloat16
@@ -453,7 +453,7 @@ class ClusterDiTStep:
     the K/V are repacked on the first call with a new ctx (`pack_context`; the flow steps of
     one query share it). More than 16 tokens, or a context outside 128..2048 keys in
     multiples of 16, run through the Triton kernel (`fused_dit.FusedDiTStep`, same tables).
-    Raises ValueError on other shapes, RuntimeError where the extension is unavailable.
+    Raises ValueError on other shapes, RuntimeError where the kernel library is unavailable.
     """
 
     def __init__(self, ae, prefetch: int = 0, mode: int = 0) -> None:
