@@ -327,7 +327,8 @@ def load_extension() -> Library | None:
         return _ext
     nvcc = find_nvcc()
     if torch.version.cuda is None:
-        _ext_error = f'this torch ({torch.__version__}) is built without CUDA'
+        _ext_error = (f'this torch ({torch.__version__}) is built without CUDA (the kernel '
+                      'needs a CUDA build of torch and a Hopper GPU)')
     elif nvcc is None:
         _ext_error = 'nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on the PATH)'
     if _ext_error:

@@ -114,8 +114,8 @@ class EngineConfig:
                              '(presets carry one set of stats)')
         self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
         if self.fused_action_expert not in FUSED_AE_MODES:
-            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES}, got '
-                             f'{self.fused_action_expert!r}')
+            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES} (or true / '
+                             f'false: on / off), got {self.fused_action_expert!r}')
         mode = self.fused_action_expert
         if mode in ('on', 'cluster', 'triton'):
             if mode == 'on':                    # what a YAML true became: say which kernel
