@@ -103,8 +103,14 @@ def test_run_to_the_first_chunk_on_the_argument_topics_then_sigint_exits_cleanly
     text = log.read_text(errors='replace')
     assert came, f'no chunk on /ros2_launch/chunks within {TIMEOUT} s\n{text[-4000:]}'
     assert list(chunks[0].joint_names) == JOINTS
-    assert status == 0, text[-4000:]
     assert re.search(r'\[policy_node-\d+\]: process has finished cleanly', text), text[-4000:]
+    # ros2 launch exits 0, except where a terminal's SIGINT reaches its own event loop while it
+    # processes an event: asyncio then drops the task ('Task was destroyed but it is pending!
+    # ... LaunchService._process_one_event') and launch exits 1 after the node finished
+    # cleanly: a race inside launch, not the node's exit; seen once in CI on 9236c0c
+    launch_race = ctrl_c == 'terminal' and 'Task was destroyed but it is pending' in text \
+        and 'LaunchService._process_one_event' in text
+    assert status == 0 or (status == 1 and launch_race), text[-4000:]
     # no traceback from the node (launch prefixes each of its lines with its name); ros2 launch's
     # own Python may print one when the SIGINT sent to it lands inside a weakref callback
     # ('Exception ignored in: <function WeakSet...>: KeyboardInterrupt'), which is launch's
