@@ -18,15 +18,9 @@ from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.runtime import cluster_dit as cd
 from molmobot_policy.runtime import fused_dit
 
+from _mma_fragments import fragment  # noqa: E402  (test/_mma_fragments.py: the ISA's layout)
+
 D, F, HD = cd.D, cd.F, cd.HD
-
-
-def fragment(w: torch.Tensor, n: int, s: int, lane: int) -> torch.Tensor:
-    """Lane `lane`'s B registers of n-tile n, k-step s of mma.m16n8k16 (PTX ISA, "Matrix
-    fragments for mma.m16n8k16"): b0 = W[8n + g, 16s + 2t + (0, 1)], b1 = the same + 8."""
-    g, t = lane // 4, lane % 4
-    row, k = 8 * n + g, 16 * s + 2 * t
-    return torch.stack([w[row, k], w[row, k + 1], w[row, k + 8], w[row, k + 9]])
 
 
 def test_pack_b_puts_every_lanes_fragment_in_its_8_bytes():

@@ -21,6 +21,8 @@ from molmobot_policy.model.config import MolmoBotConfig
 from molmobot_policy.runtime import cluster_dit, fused_dit
 from molmobot_policy.runtime.serving import ServedActionExpert
 
+from _mma_fragments import fragment  # noqa: E402  (test/_mma_fragments.py: the ISA's layout)
+
 BLOCKS = 6
 CFG = MolmoBotConfig.from_name('molmobot-4b-8cam')
 
@@ -151,17 +153,9 @@ def test_served_velocity_through_the_cluster_kernel_matches_the_blocks(experts):
     assert err < 2e-2, err          # bf16 rounding of the blocks through 6 blocks
 
 
-def _fragment(w: torch.Tensor, n: int, s: int, lane: int) -> torch.Tensor:
-    """Lane `lane`'s B registers of n-tile n, k-step s of mma.m16n8k16 (PTX ISA, "Matrix
-    fragments for mma.m16n8k16"): W[8n + g, 16s + 2t + (0, 1)], then the same + 8."""
-    g, t = lane // 4, lane % 4
-    row, k = 8 * n + g, 16 * s + 2 * t
-    return torch.stack([w[row, k], w[row, k + 1], w[row, k + 8], w[row, k + 9]])
-
-
 @pytest.mark.parametrize('length', [1664, 1856])
 def test_the_pack_kernel_puts_the_served_kv_in_fragment_order(experts, length):
-    """The extension's one-pass repack of the served, strided K/V: every lane's fragments
+    """The library's one-pass repack of the served, strided K/V: every lane's fragments
     where the PTX layout puts them (spot checks), and the same bytes as torch's permute form."""
     nb, s = BLOCKS, length
     kv = torch.randn(nb, 1, s, 2, cluster_dit.H, cluster_dit.HD, device='cuda').bfloat16()
@@ -172,8 +166,8 @@ def test_the_pack_kernel_puts_the_served_kv_in_fragment_order(experts, length):
     k = kp.view(nb, cluster_dit.H, s // 8, cluster_dit.HD // 16, 32, 4)
     v = vp.view(nb, cluster_dit.H, s // 16, cluster_dit.HD // 8, 32, 4)
     for b, h, n, st, lane in [(0, 0, 0, 0, 0), (5, 7, s // 8 - 1, 5, 31), (3, 2, 101, 3, 13)]:
-        assert torch.equal(k[b, h, n, st, lane], _fragment(keys[b, 0, h], n, st, lane))
+        assert torch.equal(k[b, h, n, st, lane], fragment(keys[b, 0, h], n, st, lane))
         vt = values[b, 0, h].transpose(0, 1)            # B of P V: W[dim, key]
-        assert torch.equal(v[b, h, n // 2, st, lane], _fragment(vt, st, n // 2, lane))
+        assert torch.equal(v[b, h, n // 2, st, lane], fragment(vt, st, n // 2, lane))
     ref_k, ref_v = cluster_dit.pack_context(keys, values)
     assert torch.equal(kp, ref_k) and torch.equal(vp, ref_v)
