@@ -325,11 +325,11 @@ def load_extension() -> Library | None:
     global _ext, _ext_error
     if _ext is not None or _ext_error:
         return _ext
-    nvcc = find_nvcc()
+    nvcc = None
     if torch.version.cuda is None:
         _ext_error = (f'this torch ({torch.__version__}) is built without CUDA (the kernel '
                       'needs a CUDA build of torch and a Hopper GPU)')
-    elif nvcc is None:
+    elif (nvcc := find_nvcc()) is None:
         _ext_error = 'nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on the PATH)'
     if _ext_error:
         log.warning('cluster DiT kernel: %s', _ext_error)
