@@ -195,6 +195,15 @@ def test_an_edited_kernel_source_gets_its_own_library(fresh_library, monkeypatch
     assert os.path.dirname(cd.library_path()) == str(fresh_library / 'cache')
 
 
+def test_a_cpu_torch_is_named_with_what_the_kernel_needs_and_nvcc_is_not_searched(
+        fresh_library, monkeypatch):
+    monkeypatch.setattr(torch.version, 'cuda', None)
+    monkeypatch.setattr(cd, 'find_nvcc', lambda: pytest.fail('nvcc searched'))
+    assert cd.load_extension() is None
+    assert cd._ext_error.startswith(f'this torch ({torch.__version__}) is built without CUDA '
+                                    '(the kernel needs a CUDA build of torch and a Hopper GPU)')
+
+
 def test_without_nvcc_the_kernel_says_so_and_is_not_built(fresh_library, monkeypatch):
     from torch.utils import cpp_extension
     monkeypatch.setattr(cpp_extension, 'CUDA_HOME', None)

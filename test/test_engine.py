@@ -293,7 +293,8 @@ def test_mode_reports_the_engine_settings(engine):
 
 
 def test_fused_action_expert_option_is_validated():
-    with pytest.raises(ValueError, match='fused_action_expert'):
+    with pytest.raises(ValueError, match=r"fused_action_expert must be one of \('auto', .*\) "
+                       r"\(or true / false: on / off\), got 'yes'"):
         EngineConfig(fused_action_expert='yes')
     with pytest.raises(ValueError, match='kv_cache'):
         EngineConfig(fused_action_expert='on', kv_cache=False)
