@@ -7,7 +7,8 @@ plus the top kernels of each stage (torch.profiler, compiled blocks, no graph).
 Stages, with the default engine options (bf16, compiled blocks, the prompt padded to its
 bucket): vision (ViT + connector), llm (embedding + vision + 36 blocks, every hidden state),
 prepare_context (the action expert's K/V cache), flow_loop (10 Euler steps, precomputed
-conditioning; the fused DiT kernel where the engine serves it, and then also the compiled
+conditioning; `ServedActionExpert.flow` as the engine runs it: the cluster kernel's whole
+Euler steps or the fused DiT kernel where the engine serves one, and then also the compiled
 blocks as `flow_loop, compiled blocks`). On a CPU (a check of the script, not a measure)
 the stages run compiled without graphs and no kernels are listed. Writes JSON with
 `common.provenance()`.
@@ -85,11 +86,12 @@ def main() -> None:
 
         def loop_fn(noise, keys, values, mask_bias, state_tokens, out_bias, use_fused=True):
             c = ActionExpertContext(keys, values, mask_bias, state_tokens, out_bias)
+            if use_fused:
+                return served.flow(noise, c)        # the engine's loop (whole-step kernel)
             x = noise
             for i in range(steps):
-                blocks_fn = fused[i] if fused and use_fused else None
                 x = x + (1.0 / steps) * ae.velocity_from_conditioning(
-                    x, served.conditioning[i], c, blocks_fn)
+                    x, served.conditioning[i], c, None)
             return x
 
         def loop_blocks_fn(**kw):

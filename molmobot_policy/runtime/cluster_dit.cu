@@ -113,6 +113,16 @@ struct Params {
     int T, S, nb, nkv, prefetch, mode;   // mode bits (benchmarks): 1 no streaming, 2 no exchange
                                          // waits, 4 copies issued empty
     float eps, sm_scale;
+    // the whole flow step around the blocks (xt_in null: the blocks alone, x_in -> out): the
+    // tokens embedded from x_t, and after the blocks the final layer and the Euler update
+    const float *xt_in;     // (T, A) x_t, float32
+    float *xt_out;          // (T, A) x_t + dt * velocity, float32
+    const bf16 *w_emb, *b_emb, *pos;     // action_embed (D, A) and (D); action_pos_embed (T, D)
+    const bf16 *w_fin, *b_fin;           // the final linear (A, D) and (A)
+    const bf16 *mod_fin;    // (2, D): the final layer's shift, scale
+    const float *tab_fin;   // (2, A): u = W_fin (1 + scale), v = W_fin shift
+    int A;                  // action_dim <= 16
+    float dt;               // 1 / flow steps
 };
 constexpr int TRACE_POINTS = 24;
 
@@ -566,6 +576,65 @@ __device__ __forceinline__ void residual_update(const Params &p, int sub, int r,
 
 #define STAMP(i) do { if (trace && threadIdx.x == 0) trace[i] = clock64(); } while (0)
 
+// the token of row `row`, column col from x_t, as the action expert embeds it: action_embed on
+// x_t in bf16 (float32 sums, the bias added before the bf16 rounding), then the position
+// embedding added in bf16 (`ActionExpert.embed_actions`)
+__device__ __forceinline__ float embed_token(const Params &p, int row, int col) {
+    float acc = 0.f;
+    for (int a = 0; a < p.A; ++a)
+        acc += __bfloat162float(__float2bfloat16(p.xt_in[row * p.A + a])) * bf(p.w_emb, col * p.A + a);
+    const float y = __bfloat162float(__float2bfloat16(acc + bf(p.b_emb, col)));
+    return __bfloat162float(__float2bfloat16(y + bf(p.pos, row * D + col)));
+}
+
+// two consecutive bf16 of the final linear's row n (0 past its A rows) as one B register
+__device__ __forceinline__ uint32_t fin_pair(const Params &p, int n, int k) {
+    return n < p.A ? *reinterpret_cast<const uint32_t *>(p.w_fin + (size_t)n * D + k) : 0u;
+}
+
+// cluster 0, after the blocks: the final layer on x rounded to bf16 (as the blocks' output is),
+// its LayerNorm through the broadcast every LayerNorm-fed GEMM uses (phase parity `parity`),
+// the 16 x A x D product on CTA 0 (k-steps split over the warps, summed in warp order), the
+// LayerNorm epilogue with tab_fin, the velocity rounded to bf16, and
+// xt_out = xt_in + dt * velocity in float32 (a product, then a sum: `euler_flow`)
+__device__ void final_step(const Params &p, float *xs, unsigned char *xab, float *mrs,
+                           float *red, int r, uint64_t *lnbar, unsigned parity) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+    for (int e = tid; e < MR * CW; e += THREADS) xs[e] = __bfloat162float(__float2bfloat16(xs[e]));
+    __syncthreads();
+    ln_broadcast(xs, p.mod_fin + D + r * CW, xab, mrs, r, p.eps, lnbar, parity);
+    if (r != 0) return;
+    const bf16 *xa = reinterpret_cast<const bf16 *>(xab);
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = warp; s < D / 16; s += WARPS) {
+        uint32_t a[4];
+        load_a_blocked(a, xa, s * 16, g, t);
+        const int k = s * 16 + 2 * t;
+        mma16816(c0, a, fin_pair(p, g, k), fin_pair(p, g, k + 8));
+        mma16816(c1, a, fin_pair(p, 8 + g, k), fin_pair(p, 8 + g, k + 8));
+    }
+    float *pr = red + warp * MR * 16;                 // this warp's 16 x 16 partial
+    pr[g * 16 + 2 * t] = c0[0];
+    pr[g * 16 + 2 * t + 1] = c0[1];
+    pr[(g + 8) * 16 + 2 * t] = c0[2];
+    pr[(g + 8) * 16 + 2 * t + 1] = c0[3];
+    pr[g * 16 + 8 + 2 * t] = c1[0];
+    pr[g * 16 + 8 + 2 * t + 1] = c1[1];
+    pr[(g + 8) * 16 + 8 + 2 * t] = c1[2];
+    pr[(g + 8) * 16 + 8 + 2 * t + 1] = c1[3];
+    __syncthreads();                                  // also orders ln_broadcast's mrs
+    const int row = tid / 16, n = tid % 16;
+    if (row < p.T && n < p.A) {
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) acc += red[(w * MR + row) * 16 + n];
+        const float y = mrs[MR + row] * (acc - mrs[row] * p.tab_fin[n]) + p.tab_fin[p.A + n]
+                        + bf(p.b_fin, n);
+        const float v = __bfloat162float(__float2bfloat16(y));
+        p.xt_out[row * p.A + n] = __fadd_rn(p.xt_in[row * p.A + n], __fmul_rn(p.dt, v));
+    }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     cg::cluster_group cluster = cg::this_cluster();
     const int r = (int)cluster.block_rank(), h = blockIdx.x / R;
@@ -605,7 +674,9 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     load_ops(p, 0, h, r, j0, ntv, q0, ntv2, smem + OFF_OPS);
     for (int e = tid; e < MR * CW; e += THREADS) {
         const int row = e / CW, c = e % CW;
-        xs[e] = row < T ? __bfloat162float(p.x_in[row * D + r * CW + c]) : 0.f;
+        xs[e] = row >= T ? 0.f
+                : p.xt_in ? embed_token(p, row, r * CW + c)
+                          : __bfloat162float(p.x_in[row * D + r * CW + c]);
     }
     for (int k = tid; k < gr * 16; k += THREADS) mbias[k] = p.mask_bias[g0 * 16 + k];
     cluster.sync();                 // every CTA of the cluster runs before remote writes
@@ -920,6 +991,10 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
             const int row = e / CW, c = e % CW;
             p.out[row * D + r * CW + c] = __float2bfloat16(xs[row * CW + c]);
         }
+        if (p.xt_in) {
+            __syncthreads();                          // out written before xs is rounded
+            final_step(p, xs, xab, mrs, red, r, lnbar, (3 * p.nb) & 1);
+        }
     }
     cluster.sync();                 // no CTA exits while another may read its shared memory
 }
@@ -1025,8 +1100,9 @@ int cdit_max_active_clusters(int device, int *out) {
 }
 
 // one flow step. ptr: x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
-// mask_bias, part, trace (null or clock64 stamps); ints: T, S, nb, nkv, prefetch, mode;
-// floats: eps, sm_scale (the fields of cdit::Params)
+// mask_bias, part, trace (null or clock64 stamps), xt_in (null: the blocks alone), xt_out,
+// w_emb, b_emb, pos, w_fin, b_fin, mod_fin, tab_fin; ints: T, S, nb, nkv, prefetch, mode, A;
+// floats: eps, sm_scale, dt (the fields of cdit::Params)
 int cdit_step(int device, void *stream, void *const *ptr, const long long *ints,
               const float *floats) {
     CDIT_TRY(use_device(device));
@@ -1049,9 +1125,18 @@ int cdit_step(int device, void *stream, void *const *ptr, const long long *ints,
     p.mask_bias = static_cast<const bf16 *>(ptr[14]);
     p.part = static_cast<float *>(ptr[15]);
     p.trace = static_cast<long long *>(ptr[16]);
+    p.xt_in = static_cast<const float *>(ptr[17]);
+    p.xt_out = static_cast<float *>(ptr[18]);
+    p.w_emb = static_cast<const bf16 *>(ptr[19]);
+    p.b_emb = static_cast<const bf16 *>(ptr[20]);
+    p.pos = static_cast<const bf16 *>(ptr[21]);
+    p.w_fin = static_cast<const bf16 *>(ptr[22]);
+    p.b_fin = static_cast<const bf16 *>(ptr[23]);
+    p.mod_fin = static_cast<const bf16 *>(ptr[24]);
+    p.tab_fin = static_cast<const float *>(ptr[25]);
     p.T = (int)ints[0]; p.S = (int)ints[1]; p.nb = (int)ints[2]; p.nkv = (int)ints[3];
-    p.prefetch = (int)ints[4]; p.mode = (int)ints[5];
-    p.eps = floats[0]; p.sm_scale = floats[1];
+    p.prefetch = (int)ints[4]; p.mode = (int)ints[5]; p.A = (int)ints[6];
+    p.eps = floats[0]; p.sm_scale = floats[1]; p.dt = floats[2];
     // zero partials carry parity 0, which block 0 (parity 1) never takes for its own
     CDIT_TRY(cudaMemsetAsync(p.part, 0, sizeof(float) * 3 * cdit::H * cdit::MR * cdit::D, st));
     cudaLaunchAttribute attr[1];

@@ -60,6 +60,7 @@ C interface, no torch headers, called through ctypes (`Library`); built on first
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import math
@@ -223,6 +224,25 @@ def build(path: str, nvcc: str) -> None:
             os.remove(tmp)
 
 
+@dataclasses.dataclass
+class FlowArgs:
+    """What the kernel needs to run a whole flow step (`ClusterDiTStep.flow_step`): x_t in and
+    out (T, A) float32; action_embed's weight (D, A) and bias (D), the position embedding's
+    first T rows (T, D); the final linear's weight (A, D) and bias (A), the final layer's
+    modulation (2, D) (shift, scale) and its LayerNorm table (2, A) float32 (u = W (1 +
+    scale), v = W shift); dt = 1 / flow steps."""
+    xt_in: torch.Tensor
+    xt_out: torch.Tensor
+    w_emb: torch.Tensor
+    b_emb: torch.Tensor
+    pos: torch.Tensor
+    w_fin: torch.Tensor
+    b_fin: torch.Tensor
+    mod_fin: torch.Tensor
+    tab_fin: torch.Tensor
+    dt: float
+
+
 class Library:
     """The kernel library through ctypes (the C functions at the end of cluster_dit.cu). The
     C side trusts its arguments; these methods check them first (ValueError naming the
@@ -264,28 +284,53 @@ class Library:
 
     def step(self, x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
              mask_bias, part, trace, T: int, S: int, nb: int, nkv: int, prefetch: int,
-             mode: int, eps: float, sm_scale: float) -> None:
-        """One launch of the kernel (after zeroing `part`) on the current stream of x_in's
-        device; the tensors as `cdit::Params` in cluster_dit.cu describes them."""
-        named = dict(x_in=x_in, out=out, mod=mod, wp=wp, bq1=bq1, bkv1=bkv1, bo1=bo1, bq2=bq2,
+             mode: int, eps: float, sm_scale: float, flow: FlowArgs | None = None) -> None:
+        """One launch of the kernel (after zeroing `part`) on the current stream of out's
+        device; the tensors as `cdit::Params` in cluster_dit.cu describes them. With `flow`
+        the whole flow step (x_in unused: the tokens come from flow.xt_in)."""
+        named = dict(out=out, mod=mod, wp=wp, bq1=bq1, bkv1=bkv1, bo1=bo1, bq2=bq2,
                      bo2=bo2, b1=b1, b2=b2, kp=kp, vp=vp, mask_bias=mask_bias)
+        dev = out.device
+        if flow is None:
+            named['x_in'] = x_in
+        else:
+            named.update(w_emb=flow.w_emb, b_emb=flow.b_emb, pos=flow.pos, w_fin=flow.w_fin,
+                         b_fin=flow.b_fin, mod_fin=flow.mod_fin)
+            for name in ('xt_in', 'xt_out', 'tab_fin'):
+                _require(getattr(flow, name), name, torch.float32, dev)
+            a = flow.w_fin.shape[0]
+            if not (1 <= a <= 16 and flow.xt_in.numel() == flow.xt_out.numel() == T * a
+                    and flow.w_emb.numel() == D * a and flow.pos.numel() == T * D
+                    and flow.mod_fin.numel() == 2 * D and flow.tab_fin.numel() == 2 * a):
+                raise ValueError(f'flow step tensors do not fit T={T}, action_dim={a}: '
+                                 f'xt {tuple(flow.xt_in.shape)}, pos {tuple(flow.pos.shape)}')
         for name, t in named.items():
-            _require(t, name, torch.bfloat16, x_in.device)
-        _require(tables, 'tables', torch.float32, x_in.device)
-        _require(part, 'part', torch.float32, x_in.device)
+            _require(t, name, torch.bfloat16, dev)
+        _require(tables, 'tables', torch.float32, dev)
+        _require(part, 'part', torch.float32, dev)
         if part.numel() != 3 * H * MAX_TOKENS * D:
             raise ValueError(f'part must be (3, {H}, {MAX_TOKENS}, {D}), got {tuple(part.shape)}')
         if trace is not None:
-            _require(trace, 'trace', torch.int64, x_in.device)
+            _require(trace, 'trace', torch.int64, dev)
         if not (1 <= T <= MAX_TOKENS and S % 16 == 0 and 1 <= nkv <= MAX_KV_SLOTS):
             raise ValueError(f'T={T}, S={S} or nkv={nkv} out of range')
-        ptrs = (ctypes.c_void_p * 17)(*[t.data_ptr() for t in (
-            x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias,
-            part)], trace.data_ptr() if trace is not None else None)
-        ints = (ctypes.c_longlong * 6)(T, S, nb, nkv, prefetch, mode)
-        floats = (ctypes.c_float * 2)(eps, sm_scale)
-        self._check(self.lib.cdit_step(_index(x_in.device), _stream(x_in.device), ptrs, ints,
-                                       floats), 'the step launch')
+        ptrs = [t.data_ptr() for t in (
+            out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias, part)]
+        ptrs = [None if flow is not None else x_in.data_ptr()] + ptrs + [
+            trace.data_ptr() if trace is not None else None]
+        if flow is None:
+            ptrs += [None] * 9
+            a, dt = 0, 0.0
+        else:
+            ptrs += [t.data_ptr() for t in (flow.xt_in, flow.xt_out, flow.w_emb, flow.b_emb,
+                                            flow.pos, flow.w_fin, flow.b_fin, flow.mod_fin,
+                                            flow.tab_fin)]
+            a, dt = flow.w_fin.shape[0], flow.dt
+        ptrs = (ctypes.c_void_p * 26)(*ptrs)
+        ints = (ctypes.c_longlong * 7)(T, S, nb, nkv, prefetch, mode, a)
+        floats = (ctypes.c_float * 3)(eps, sm_scale, dt)
+        self._check(self.lib.cdit_step(_index(dev), _stream(dev), ptrs, ints, floats),
+                    'the step launch')
 
     def pack_context(self, keys, values, kp, vp) -> None:
         """keys / values (nb, 1, H, S, HD) as `_packable` takes them -> kp, vp (nb, H, S * HD)
@@ -408,6 +453,8 @@ class ClusterDiTStep:
 
     def __init__(self, ae, prefetch: int = 0, mode: int = 0) -> None:
         from molmobot_policy.runtime import fused_dit
+        self.ae = ae
+        self.action_dim = ae.action_embed.in_features
         self.base = fused_dit.FusedDiTStep(ae)          # stacked weights and the tables
         self.n_blocks = self.base.n_blocks
         self.prefetch, self.mode = int(prefetch), int(mode)
@@ -432,36 +479,85 @@ class ClusterDiTStep:
     def __call__(self, x: torch.Tensor, mod: torch.Tensor, ctx,
                  tables: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
-        nb = self.n_blocks
-        keys = ctx.keys
-        s = keys.shape[-2]
+        s = ctx.keys.shape[-2]
         if tables is None:
             tables = self.tables(mod)
         if t > MAX_TOKENS or not (128 <= s <= 2048 and s % 16 == 0):
             return self.base(x, mod, ctx, tables)      # the Triton kernel serves these shapes
         if b != 1 or d != D or x.dtype != torch.bfloat16:
             raise ValueError(f'x must be (1, T, {D}) bfloat16, got {tuple(x.shape)} {x.dtype}')
+        out = torch.empty((1, t, D), device=x.device, dtype=x.dtype)
+        self._launch(x.contiguous(), out, t, mod, ctx, tables, None)
+        return out
+
+    def flow_reason(self, horizon: int, context: int) -> str:
+        """'' when `flow_step` serves a query of this action horizon and context length (keys),
+        else why not: the whole step needs `states_mode: cross_attn` (the tokens are the
+        actions alone), horizon and action_dim <= 16 and a context the kernel takes."""
+        ae = self.ae
+        if ae.states_mode != 'cross_attn':
+            return f"states_mode {ae.states_mode!r} (the flow step needs 'cross_attn')"
+        if horizon > MAX_TOKENS or self.action_dim > 16:
+            return f'horizon {horizon} / action_dim {self.action_dim}: at most 16 each'
+        if not (128 <= context <= 2048 and context % 16 == 0):
+            return f'context of {context} keys; the kernel handles 128 to 2048 in multiples of 16'
+        return ''
+
+    def final_tables(self, final_mod: torch.Tensor) -> torch.Tensor:
+        """The final layer's modulation (2, 1, D) (shift, scale) -> its LayerNorm table (2, A)
+        float32: u = W (1 + scale), v = W shift (as `tables` for the blocks)."""
+        w = self.ae.final_layer.linear.weight.float()
+        m = final_mod.reshape(2, D).float()
+        return torch.stack([w @ (1.0 + m[1]), w @ m[0]]).contiguous()
+
+    def flow_step(self, xt: torch.Tensor, mod: torch.Tensor, final_mod: torch.Tensor, ctx,
+                  dt: float, tables: torch.Tensor | None = None,
+                  final_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """One Euler step of the flow in one launch: xt (1, horizon, A) float32 -> xt + dt *
+        velocity (same shape, float32), the velocity of `ActionExpert.velocity_from_conditioning`
+        (the action embedding, every block, the final layer; `mod` (n_blocks, 9, 1, D) and
+        `final_mod` (2, 1, D) the flow time's modulation) as `euler_flow` adds it. The caller
+        checks `flow_reason` first. Raises ValueError on other shapes."""
+        b, t, a = xt.shape
+        if b != 1 or xt.dtype != torch.float32 or a != self.action_dim:
+            raise ValueError(f'xt must be (1, T, {self.action_dim}) float32, got '
+                             f'{tuple(xt.shape)} {xt.dtype}')
+        if tables is None:
+            tables = self.tables(mod)
+        if final_tables is None:
+            final_tables = self.final_tables(final_mod)
+        ae = self.ae
+        xt_out = torch.empty_like(xt)
+        out = torch.empty((1, t, D), device=xt.device, dtype=torch.bfloat16)
+        flow = FlowArgs(xt.contiguous(), xt_out, ae.action_embed.weight, ae.action_embed.bias,
+                        ae.action_pos_embed[0, :t], ae.final_layer.linear.weight,
+                        ae.final_layer.linear.bias, final_mod.reshape(2, D), final_tables,
+                        float(dt))
+        self._launch(None, out, t, mod, ctx, tables, flow)
+        return xt_out
+
+    def _launch(self, x, out, t: int, mod, ctx, tables, flow: FlowArgs | None) -> None:
+        nb = self.n_blocks
+        keys = ctx.keys
+        s = keys.shape[-2]
         if keys.shape != (nb, 1, H, s, HD) or mod.shape != (nb, 9, 1, D) \
                 or ctx.values.shape != keys.shape:
             raise ValueError(f'keys / values must be ({nb}, 1, {H}, S, {HD}) and mod '
                              f'({nb}, 9, 1, {D}); got {tuple(keys.shape)}, '
                              f'{tuple(ctx.values.shape)} and {tuple(mod.shape)}')
-        kp, vp = self.packed_context(ctx)
-        groups = math.ceil(s // 16 / R)
-        nkv = math.ceil(groups / GROUPS_PER_SLOT)
-        dev = x.device
-        out = torch.empty((1, t, D), device=dev, dtype=x.dtype)
-        part = torch.empty((3, H, 16, D), device=dev, dtype=torch.float32)
-        w = self.base.w
         mask = ctx.mask_bias.reshape(-1)
         if mask.numel() != s:
             raise ValueError(f'ctx.mask_bias must hold one value per key ({s}), got '
                              f'{tuple(ctx.mask_bias.shape)}')
-        self.ext.step(x.contiguous(), out, mod.contiguous(), tables, self.wp, w.bq1, w.bkv1,
+        kp, vp = self.packed_context(ctx)
+        groups = math.ceil(s // 16 / R)
+        nkv = math.ceil(groups / GROUPS_PER_SLOT)
+        part = torch.empty((3, H, 16, D), device=out.device, dtype=torch.float32)
+        w = self.base.w
+        self.ext.step(x, out, mod.contiguous(), tables, self.wp, w.bq1, w.bkv1,
                       w.bo1, w.bq2, ctx.out_bias.contiguous(), w.b1, w.b2, kp, vp,
                       mask.contiguous(), part, self.trace, t, s, nb, nkv,
-                      self.prefetch, self.mode, self.base.eps, self.base.sm_scale)
-        return out
+                      self.prefetch, self.mode, self.base.eps, self.base.sm_scale, flow)
 
 
 def main() -> int:

@@ -135,11 +135,11 @@ class PolicyEngine:
                 input_ids, images, token_pooling, position_ids=position_ids,
                 attention_mask=attention_mask, image_positions=image_positions,
                 llm_mask=llm_mask))
-            cached = served.context(hidden, attention_mask, states) if kv_cache else None
+            if kv_cache:
+                return served.flow(noise, served.context(hidden, attention_mask, states))
 
             def velocity(x, i):    # kv_cache=False recomputes the context every flow step
-                ctx = cached if kv_cache else served.context(hidden, attention_mask, states)
-                return served.velocity(x, i, ctx)
+                return served.velocity(x, i, served.context(hidden, attention_mask, states))
             return euler_flow(noise, velocity, steps)
         return query
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from molmobot_policy.model.action_expert import ActionExpert, ActionExpertContext
+from molmobot_policy.model.molmobot import euler_flow
 from molmobot_policy.model.vision import ViTMLP, ViTMultiHeadDotProductAttention
 from molmobot_policy.runtime.compile import compile_action_expert_glue_, compile_repeated_blocks_
 from molmobot_policy.runtime.stacking import is_stack_of, stack_parameters_
@@ -149,7 +150,8 @@ class ServedActionExpert:
         flow_steps: Euler steps; the AdaLN modulation of each flow time i / flow_steps is
             computed once (it depends on the weights only).
         kernel: run each flow step's blocks as one kernel: 'triton' (`runtime.fused_dit`),
-            'cluster' (`runtime.cluster_dit`), or '' (the blocks).
+            'cluster' (`runtime.cluster_dit`; `flow` then runs each whole Euler step in it,
+            embedding, final layer and update included), or '' (the blocks).
     """
 
     def __init__(self, ae: ActionExpert, flow_steps: int, kernel: str = '') -> None:
@@ -167,6 +169,8 @@ class ServedActionExpert:
                 (1,), i / flow_steps, device=device, dtype=torch.float32))
                 for i in range(flow_steps)]
             self.fused_steps = None
+            self.steps = flow_steps
+            self.step_kernel = None     # the cluster kernel, for whole Euler steps (`flow`)
             if kernel:
                 if kernel == 'cluster':
                     from molmobot_policy.runtime import cluster_dit
@@ -174,8 +178,12 @@ class ServedActionExpert:
                 else:
                     from molmobot_policy.runtime import fused_dit
                     step = fused_dit.FusedDiTStep(ae)   # stacks the blocks' weights in place
-                self.fused_steps = [functools.partial(step, tables=step.tables(c.blocks))
-                                    for c in self.conditioning]
+                tables = [step.tables(c.blocks) for c in self.conditioning]
+                self.fused_steps = [functools.partial(step, tables=t) for t in tables]
+                if kernel == 'cluster':
+                    self.step_kernel = step
+                    self.flow_tables = [(t, step.final_tables(c.final))
+                                        for t, c in zip(tables, self.conditioning)]
 
     def key_values(self, rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,6 +199,22 @@ class ServedActionExpert:
                 states: torch.Tensor) -> ActionExpertContext:
         """`ActionExpert.prepare_context` with the served K/V (shapes there)."""
         return self.ae.prepare_context(hidden, encoder_mask, states, self.key_values)
+
+    def flow(self, noise: torch.Tensor, ctx: ActionExpertContext) -> torch.Tensor:
+        """`euler_flow` from noise (1, horizon, action_dim) with the served velocity -> float32
+        (1, horizon, action_dim). Where the cluster kernel serves and takes the query
+        (`ClusterDiTStep.flow_reason`), each Euler step is one launch of it: the action
+        embedding, the blocks, the final layer and the update x + dt * velocity inside the
+        kernel, with the same operations and roundings as the separate path."""
+        steps, kernel = self.steps, self.step_kernel
+        if kernel is not None and not kernel.flow_reason(noise.shape[1], ctx.keys.shape[-2]):
+            x = noise.float().contiguous()
+            for i, c in enumerate(self.conditioning):
+                tables, final_tables = self.flow_tables[i]
+                x = kernel.flow_step(x, c.blocks, c.final, ctx, 1.0 / steps, tables,
+                                     final_tables)
+            return x
+        return euler_flow(noise, lambda x, i: self.velocity(x, i, ctx), steps)
 
     def velocity(self, x_t: torch.Tensor, step: int, ctx: ActionExpertContext) -> torch.Tensor:
         """x_t (1, horizon, action_dim) at flow step `step` (t = step / flow_steps) -> velocity
