@@ -39,6 +39,12 @@ for every CTA of the cluster to arrive:
   their use: weights never depend on activations. Each block's small epilogue operands
   (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
 
+- a whole Euler step (`ClusterDiTStep.flow_step`, what `ServedActionExpert.flow` serves): the
+  kernel also embeds the action tokens from x_t before the blocks, and after them cluster 0
+  runs the final layer (its LayerNorm through the same broadcast, the 16 x action_dim x 768
+  product on its CTA 0) and the update x_t + dt * velocity in float32, so a flow step is one
+  launch with no small kernels around it.
+
 The math is the Triton kernel's (`runtime.fused_dit` module docstring): float32 residual,
 LayerNorms applied in the GEMM epilogues through the per-flow-time tables u = W (1 + scale),
 v = W shift (`FusedDiTStep.tables`), bf16 GEMM operands with float32 accumulation, exact erf
