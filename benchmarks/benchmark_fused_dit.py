@@ -15,9 +15,6 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
   change to the kernel (`--repeat 2` alternates them);
 - `--cluster-baseline FILE`: likewise for the cluster kernel (`runtime/cluster_dit.py`, its
   `.cu` beside the file), with whether the served one gives the same bits;
-- the cluster kernel's whole flow (`ClusterDiTStep.flow`: embeddings, final layers and Euler
-  updates inside the kernel), one launch for the 10 steps (what the engine serves) and one
-  launch per step (what a step boundary inside the kernel saves);
 - `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
@@ -90,24 +87,6 @@ def bound_steps(step, cond):
     return [functools.partial(step, tables=step.tables(c.blocks)) for c in cond]
 
 
-def kernel_flow(step, ctx, cond, steps, per_step: bool):
-    """The whole loop in the cluster kernel (`ClusterDiTStep.flow`, as `ServedActionExpert.flow`
-    serves it): one launch for the 10 steps, or (per_step) one launch per step."""
-    mods = torch.stack([c.blocks for c in cond])
-    finals = torch.stack([c.final for c in cond])
-    tables = torch.stack([step.tables(c.blocks) for c in cond])
-    final_tables = step.final_tables(finals)
-    spans = [(i, i + 1) for i in range(steps)] if per_step else [(0, steps)]
-
-    def loop_fn(noise):
-        x = noise.float().contiguous()
-        for a, b in spans:
-            x = step.flow(x, mods[a:b], finals[a:b], ctx, 1.0 / steps, tables[a:b],
-                          final_tables[a:b])
-        return x
-    return loop_fn
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
@@ -149,10 +128,10 @@ def main(argv=None) -> int:
         cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
                 for i in range(steps)]
 
-        def measure(label, step_fns, loop_fn=None):
+        def measure(label, step_fns):
             t0 = time.perf_counter()
-            runner = StaticRunner(loop_fn or flow_loop(ae, ctx, cond, steps, step_fns),
-                                  {'noise': noise}, cuda_graph=True)
+            runner = StaticRunner(flow_loop(ae, ctx, cond, steps, step_fns), {'noise': noise},
+                                  cuda_graph=True)
             warm = time.perf_counter() - t0
             a, b = runner.run(), runner.run()
             timing = common.summary(common.time_replays(runner, args.iters))
@@ -199,21 +178,12 @@ def main(argv=None) -> int:
                                      cluster_base, {}))
                 variants += [(f'cluster (prefetch {pf}){suffix}', cluster_dit,
                               dict(prefetch=int(pf))) for pf in args.cluster_prefetch.split(',')]
-                variants += [(f'cluster whole flow, {how}{suffix}', cluster_dit,
-                              dict(flow=how)) for how in ('one launch', 'a launch per step')]
         base_out = None             # the last cluster baseline's loop output
         for label, module, kwargs in variants:
             try:
                 step_cls = (module.ClusterDiTStep if hasattr(module, 'ClusterDiTStep')
                             else module.FusedDiTStep)
-                kwargs = dict(kwargs)
-                how = kwargs.pop('flow', None)
-                step = step_cls(ae, **kwargs)
-                if how is None:
-                    row, out = measure(label, bound_steps(step, cond))
-                else:
-                    row, out = measure(label, None, kernel_flow(
-                        step, ctx, cond, steps, per_step=how != 'one launch'))
+                row, out = measure(label, bound_steps(step_cls(ae, **kwargs), cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
                 if module is cluster_dit and base_out is not None:
                     row['same_bits_as_cluster_baseline'] = bool(torch.equal(out, base_out))

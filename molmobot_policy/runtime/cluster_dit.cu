@@ -82,8 +82,7 @@ constexpr int RED_BYTES = 12288;
 constexpr int OFF_MRS = OFF_RED + RED_BYTES;            // float 2 x MR
 constexpr int OFF_OPS = OFF_MRS + 2 * MR * 4;           // 2 x OP_BYTES
 constexpr int OFF_MB = OFF_OPS + 2 * OP_BYTES;          // bf16 KEYMAX: this CTA's mask bias
-constexpr int OFF_XT = OFF_MB + KEYMAX * 2;             // float MR x 16: x_t between flow steps
-constexpr int OFF_BARS = OFF_XT + MR * 16 * 4;          // uint64 x RING, then the LN, combine,
+constexpr int OFF_BARS = OFF_MB + KEYMAX * 2;           // uint64 x RING, then the LN, combine,
 constexpr int SMEM_BYTES = OFF_BARS + (RING + 6) * 8;   // o_h, q|k|v, cross q and fc1 barriers
 // bytes the cross-attention's combine barrier awaits from the R - 1 peers (row max and sum of
 // each row, the partials of this CTA's OD dims), and the o_h barrier (their combined dims)
@@ -102,29 +101,26 @@ static_assert(SMEM_BYTES <= 232448, "shared memory");
 struct Params {
     const bf16 *x_in;       // (T, D) the step's input tokens
     bf16 *out;              // (T, D) its output
-    const bf16 *mod;        // (steps, nb, 9, D): shift1 scale1 gate1 shift2 scale2 gate2 ...
-    const float *tables;    // (steps, 2, nb, 4D + F): u, v of the LayerNorm-fed GEMMs
+    const bf16 *mod;        // (nb, 9, D): shift1 scale1 gate1 shift2 scale2 gate2 shift3 ...
+    const float *tables;    // (2, nb, 4D + F): u, v of the LayerNorm-fed GEMMs
     const bf16 *wp;         // (nb, H, R, WSLOTS * SLOT_E) packed weights
     const bf16 *bq1, *bkv1, *bo1, *bq2, *bo2, *b1, *b2;
     const bf16 *kp, *vp;    // (nb, H, S * HD) packed cross-attention K / V
     const bf16 *mask_bias;  // (S,) additive
     float *part;            // (3, H, MR, D) head partials of the three exchanges, each float's
-                            // lowest bit the parity (gb + 1) & 1 of its block gb (counted
-                            // over the launch's steps); zero at launch
+                            // lowest bit the parity of its block (b + 1) & 1; zero at launch
     long long *trace;       // null, or (H * R, nb, TRACE_POINTS) clock64 stamps (benchmarks)
     int T, S, nb, nkv, prefetch, mode;   // mode bits (benchmarks): 1 no streaming, 2 no exchange
                                          // waits, 4 copies issued empty
-    int steps;              // flow steps in this launch (> 1 only with xt_in): the blocks of
-                            // step s run with mod[s], tables[s], the final layer with mod_fin[s]
     float eps, sm_scale;
     // the whole flow step around the blocks (xt_in null: the blocks alone, x_in -> out): the
     // tokens embedded from x_t, and after the blocks the final layer and the Euler update
     const float *xt_in;     // (T, A) x_t, float32
-    float *xt_out;          // (T, A) x_t after the launch's steps (each x + dt * velocity), float32
+    float *xt_out;          // (T, A) x_t + dt * velocity, float32
     const bf16 *w_emb, *b_emb, *pos;     // action_embed (D, A) and (D); action_pos_embed (T, D)
     const bf16 *w_fin, *b_fin;           // the final linear (A, D) and (A)
-    const bf16 *mod_fin;    // (steps, 2, D): the final layer's shift, scale
-    const float *tab_fin;   // (steps, 2, A): u = W_fin (1 + scale), v = W_fin shift
+    const bf16 *mod_fin;    // (2, D): the final layer's shift, scale
+    const float *tab_fin;   // (2, A): u = W_fin (1 + scale), v = W_fin shift
     int A;                  // action_dim <= 16
     float dt;               // 1 / flow steps
 };
@@ -242,13 +238,12 @@ __device__ __forceinline__ void load_a_blocked(uint32_t a[4], const bf16 *A, int
     load_a(a, A + blk * (XB_BYTES / 2), LDB, k0 - blk * CW, g, t);
 }
 
-// the per-CTA stream: items 0 .. steps * nb * ipb - 1 (the same weights and K/V every step),
-// item i in ring slot i % RING
+// the per-CTA stream: items 0 .. nb * ipb - 1, item i in ring slot i % RING
 struct Stream {
     const Params *p;
     int h, r, ipb, total, g0, gr, ntv, ntv2;
     __device__ void src(int item, const bf16 *&ptr, unsigned &bytes) const {
-        const int b = (item / ipb) % p->nb, l = item % ipb, nkv = p->nkv;
+        const int b = item / ipb, l = item % ipb, nkv = p->nkv;
         if (l < 9 || l >= 9 + 2 * nkv) {
             const int w = l < 9 ? l : l - 2 * nkv;
             ptr = p->wp + ((size_t)(b * H + h) * R + r) * (WSLOTS * SLOT_E) + (size_t)w * SLOT_E;
@@ -317,23 +312,19 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
                  : "memory");
 }
 
-// the epilogue operands of CTA (h, r) for block gb of the launch (flow step gb / nb, block
-// gb % nb) into `ops` (one cp.async group, every thread)
-__device__ __forceinline__ void load_ops(const Params &p, int gb, int h, int r, int j0, int ntv,
+// block b's epilogue operands of CTA (h, r) into `ops` (one cp.async group, every thread)
+__device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, int j0, int ntv,
                                          int q0, int ntv2, unsigned char *ops) {
     const int c = threadIdx.x;
-    if (gb < p.nb * p.steps && c < OP_CHUNKS) {
-        const int step = gb / p.nb, b = gb % p.nb;
+    if (b < p.nb && c < OP_CHUNKS) {
         const size_t tw = 4 * D + F;
-        const float *tab = p.tables + (size_t)step * 2 * p.nb * tw;
-        const bf16 *mod = p.mod + (size_t)step * p.nb * 9 * D;
-        const float *u = tab + (size_t)b * tw, *v = tab + (size_t)(p.nb + b) * tw;
+        const float *u = p.tables + (size_t)b * tw, *v = p.tables + (size_t)(p.nb + b) * tw;
         const void *src = nullptr;
         int dst = 0;
         if (c < 72) {                       // scale1 gate1 scale2 gate2 scale3 gate3
             const int which = c / 12, k = c % 12;
             const int row = 1 + which + which / 2;                  // 1 2 4 5 7 8
-            src = mod + ((size_t)b * 9 + row) * D + r * CW + k * 8;
+            src = p.mod + ((size_t)b * 9 + row) * D + r * CW + k * 8;
             dst = which * 192 + k * 16;
         } else if (c < 108) {               // bo1, bo2 (the context's out_bias), b2
             const int which = (c - 72) / 12, k = (c - 72) % 12;
@@ -585,13 +576,13 @@ __device__ __forceinline__ void residual_update(const Params &p, int sub, int r,
 
 #define STAMP(i) do { if (trace && threadIdx.x == 0) trace[i] = clock64(); } while (0)
 
-// the token of row `row`, column col from x_t (T, A), as the action expert embeds it: action_embed on
+// the token of row `row`, column col from x_t, as the action expert embeds it: action_embed on
 // x_t in bf16 (float32 sums, the bias added before the bf16 rounding), then the position
 // embedding added in bf16 (`ActionExpert.embed_actions`)
-__device__ __forceinline__ float embed_token(const Params &p, const float *xt, int row, int col) {
+__device__ __forceinline__ float embed_token(const Params &p, int row, int col) {
     float acc = 0.f;
     for (int a = 0; a < p.A; ++a)
-        acc += __bfloat162float(__float2bfloat16(xt[row * p.A + a])) * bf(p.w_emb, col * p.A + a);
+        acc += __bfloat162float(__float2bfloat16(p.xt_in[row * p.A + a])) * bf(p.w_emb, col * p.A + a);
     const float y = __bfloat162float(__float2bfloat16(acc + bf(p.b_emb, col)));
     return __bfloat162float(__float2bfloat16(y + bf(p.pos, row * D + col)));
 }
@@ -601,20 +592,17 @@ __device__ __forceinline__ uint32_t fin_pair(const Params &p, int n, int k) {
     return n < p.A ? *reinterpret_cast<const uint32_t *>(p.w_fin + (size_t)n * D + k) : 0u;
 }
 
-// after the blocks of flow step `step`, every CTA of a cluster: the final layer on x rounded
-// to bf16 (as the blocks' output is), its LayerNorm through the broadcast every LayerNorm-fed
-// GEMM uses (phase parity `parity`), the 16 x A x D product on CTA 0 (k-steps split over the
-// warps, summed in warp order), the LayerNorm epilogue with tab_fin[step], the velocity
-// rounded to bf16, and xt_new = xt + dt * velocity in float32 (a product, then a sum:
-// `euler_flow`) on CTA 0, into xt_new (CTA 0's shared memory) and, if `out`, p.xt_out
-__device__ void final_step(const Params &p, int step, const float *xt, float *xt_new, bool out,
-                           float *xs, unsigned char *xab, float *mrs, float *red, int r,
-                           uint64_t *lnbar, unsigned parity) {
+// cluster 0, after the blocks: the final layer on x rounded to bf16 (as the blocks' output is),
+// its LayerNorm through the broadcast every LayerNorm-fed GEMM uses (phase parity `parity`),
+// the 16 x A x D product on CTA 0 (k-steps split over the warps, summed in warp order), the
+// LayerNorm epilogue with tab_fin, the velocity rounded to bf16, and
+// xt_out = xt_in + dt * velocity in float32 (a product, then a sum: `euler_flow`)
+__device__ void final_step(const Params &p, float *xs, unsigned char *xab, float *mrs,
+                           float *red, int r, uint64_t *lnbar, unsigned parity) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     for (int e = tid; e < MR * CW; e += THREADS) xs[e] = __bfloat162float(__float2bfloat16(xs[e]));
     __syncthreads();
-    ln_broadcast(xs, p.mod_fin + (size_t)step * 2 * D + D + r * CW, xab, mrs, r, p.eps, lnbar,
-                 parity);
+    ln_broadcast(xs, p.mod_fin + D + r * CW, xab, mrs, r, p.eps, lnbar, parity);
     if (r != 0) return;
     const bf16 *xa = reinterpret_cast<const bf16 *>(xab);
     float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -637,16 +625,13 @@ __device__ void final_step(const Params &p, int step, const float *xt, float *xt
     __syncthreads();                                  // also orders ln_broadcast's mrs
     const int row = tid / 16, n = tid % 16;
     if (row < p.T && n < p.A) {
-        const float *tab = p.tab_fin + (size_t)step * 2 * p.A;
         float acc = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) acc += red[(w * MR + row) * 16 + n];
-        const float y = mrs[MR + row] * (acc - mrs[row] * tab[n]) + tab[p.A + n]
+        const float y = mrs[MR + row] * (acc - mrs[row] * p.tab_fin[n]) + p.tab_fin[p.A + n]
                         + bf(p.b_fin, n);
         const float v = __bfloat162float(__float2bfloat16(y));
-        const float x = __fadd_rn(xt[row * p.A + n], __fmul_rn(p.dt, v));
-        xt_new[row * p.A + n] = x;
-        if (out) p.xt_out[row * p.A + n] = x;
+        p.xt_out[row * p.A + n] = __fadd_rn(p.xt_in[row * p.A + n], __fmul_rn(p.dt, v));
     }
 }
 
@@ -670,13 +655,11 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     const Ring ring{smem + OFF_RING, reinterpret_cast<uint64_t *>(smem + OFF_BARS),
                     !(p.mode & 1)};
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-    const int T = p.T, nkv = p.nkv, ipb = WSLOTS + 2 * nkv, nbt = p.nb * p.steps;
+    const int T = p.T, nkv = p.nkv, ipb = WSLOTS + 2 * nkv;
     const int G = p.S / 16, g0 = r * G / R, gr = (r + 1) * G / R - g0;
     const int j0 = r * QKV_NT / R, ntv = (r + 1) * QKV_NT / R - j0;      // q|k|v n-tiles
     const int q0 = r * Q2_NT / R, ntv2 = (r + 1) * Q2_NT / R - q0;       // cross q n-tiles
-    const Stream st{&p, h, r, ipb, nbt * ipb, g0, gr, ntv, ntv2};
-    float *xt_s = reinterpret_cast<float *>(smem + OFF_XT);
-    unsigned lnph = 0;              // LayerNorm broadcasts so far (their barrier's phase)
+    const Stream st{&p, h, r, ipb, p.nb * ipb, g0, gr, ntv, ntv2};
     const bool exchange = !(p.mode & 2);
     int issued = ring.on ? 0 : st.total;
     uint64_t *lnbar = reinterpret_cast<uint64_t *>(smem + OFF_BARS) + RING;
@@ -692,7 +675,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
     for (int e = tid; e < MR * CW; e += THREADS) {
         const int row = e / CW, c = e % CW;
         xs[e] = row >= T ? 0.f
-                : p.xt_in ? embed_token(p, p.xt_in, row, r * CW + c)
+                : p.xt_in ? embed_token(p, row, r * CW + c)
                           : __bfloat162float(p.x_in[row * D + r * CW + c]);
     }
     for (int k = tid; k < gr * 16; k += THREADS) mbias[k] = p.mask_bias[g0 * 16 + k];
@@ -704,22 +687,20 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
             if (row < T) store_flagged(part + (size_t)row * D + col, a0, a1, par);
         };
     };
-    // gb: the launch's blocks over its flow steps (step gb / nb, block b = gb % nb); every
-    // barrier phase and partial parity counts gb, so the steps chain like blocks
-    for (int gb = 0; gb < nbt; ++gb) {
-        const int b = gb % p.nb, it0 = gb * ipb;
-        long long *trace = p.trace ? p.trace + ((size_t)blockIdx.x * nbt + gb) * TRACE_POINTS
+    for (int b = 0; b < p.nb; ++b) {
+        const int it0 = b * ipb;
+        long long *trace = p.trace ? p.trace + ((size_t)blockIdx.x * p.nb + b) * TRACE_POINTS
                                    : nullptr;
         STAMP(0);
-        const unsigned par = (gb + 1) & 1;      // of this block's partials (zeros: none yet)
-        const unsigned char *ops = smem + OFF_OPS + (gb & 1) * OP_BYTES;
-        unsigned char *next_ops = smem + OFF_OPS + ((gb + 1) & 1) * OP_BYTES;
+        const unsigned par = (b + 1) & 1;       // of this block's partials (zeros: none yet)
+        const unsigned char *ops = smem + OFF_OPS + (b & 1) * OP_BYTES;
+        unsigned char *next_ops = smem + OFF_OPS + ((b + 1) & 1) * OP_BYTES;
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");     // block b's operands
         __syncthreads();
         const bf16 *opb = reinterpret_cast<const bf16 *>(ops);
         const float *opf = reinterpret_cast<const float *>(ops);
         // ---- self-attention
-        ln_broadcast(xs, opb + OP_SC1 / 2, xab, mrs, r, p.eps, lnbar, lnph++ & 1);
+        ln_broadcast(xs, opb + OP_SC1 / 2, xab, mrs, r, p.eps, lnbar, (3 * b) & 1);
         STAMP(1);
         for (int i = 0; i < ntv; ++i) ring.wait(it0 + i);
         STAMP(2);
@@ -733,7 +714,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
             });
         STAMP(3);
         issue_by(0, st, ring, issued, it0 + 5 + RING);
-        await_broadcast(qkvbar, broadcast_tx(QKV_NT, ntv), gb & 1);
+        await_broadcast(qkvbar, broadcast_tx(QKV_NT, ntv), b & 1);
         STAMP(4);
         {   // softmax(q k^T / sqrt(hd)) v of head h (mma; probabilities rounded to bf16 as the
             // reference does); every token sees every token
@@ -797,12 +778,12 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(6);
         // (the GEMM's last block barrier: its slots and block b - 1's operands are read)
         issue_by(1, st, ring, issued, it0 + 7 + RING);
-        load_ops(p, gb + 1, h, r, j0, ntv, q0, ntv2, next_ops);  // the next block's operands
+        load_ops(p, b + 1, h, r, j0, ntv, q0, ntv2, next_ops);   // block b + 1's operands
         STAMP(7);
         residual_update(p, 0, r, opb + OP_BO1 / 2, opb + OP_G1 / 2, xs, par, exchange);
         STAMP(8);
         // ---- cross-attention
-        ln_broadcast(xs, opb + OP_SC2 / 2, xab, mrs, r, p.eps, lnbar, lnph++ & 1);
+        ln_broadcast(xs, opb + OP_SC2 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 1) & 1);
         STAMP(9);
         for (int i = 0; i < ntv2; ++i) ring.wait(it0 + 7 + i);
         gemm<2, D / 16, 1, true>(xa, LDB, ring, it0 + 7, ntv2, red,
@@ -815,7 +796,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                                q2bar, r);
             });
         issue_by(0, st, ring, issued, it0 + 9 + RING);
-        await_broadcast(q2bar, broadcast_tx(Q2_NT, ntv2), gb & 1);
+        await_broadcast(q2bar, broadcast_tx(Q2_NT, ntv2), b & 1);
         STAMP(10);
         {   // this CTA's keys [g0 16, (g0 + gr) 16): scores, row max / sum, P V (unnormalized)
             const int itk = it0 + 9, itv = it0 + 9 + nkv;
@@ -942,7 +923,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         // combine)
         if (tid == 0) mbar_expect_tx(cabar, COMBINE_TX);
         if (tid < MR * OD / 2) {
-            mbar_wait_cluster(cabar, gb & 1);
+            mbar_wait_cluster(cabar, b & 1);
             STAMP(15);
             const int row = tid / (OD / 2), d = 2 * (tid % (OD / 2));
             float mx = inml[row].x;
@@ -966,7 +947,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
             for (int dst = 0; dst < R; ++dst)
                 if (dst != r) st_async(mine, *reinterpret_cast<uint32_t *>(&y), ohbar, dst);
         }
-        await_broadcast(ohbar, OH_TX, gb & 1);     // the peers' dims of o_h
+        await_broadcast(ohbar, OH_TX, b & 1);     // the peers' dims of o_h
         __syncthreads();            // and this CTA's own
         STAMP(16);
         const int itw = it0 + 9 + 2 * nkv;                      // wo2, w1, w2 from here
@@ -980,7 +961,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(18);
         residual_update(p, 1, r, opb + OP_BO2 / 2, opb + OP_G2 / 2, xs, par, exchange);
         // ---- MLP
-        ln_broadcast(xs, opb + OP_SC3 / 2, xab, mrs, r, p.eps, lnbar, lnph++ & 1);
+        ln_broadcast(xs, opb + OP_SC3 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 2) & 1);
         STAMP(19);
         for (int i = 0; i < 6; ++i) ring.wait(itw + 2 + i);
         STAMP(20);
@@ -993,7 +974,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                                ahbar, r);
             });
         issue_by(0, st, ring, issued, itw + 8 + RING);
-        await_broadcast(ahbar, broadcast_tx(FH / 8, FW / 8), gb & 1);
+        await_broadcast(ahbar, broadcast_tx(FH / 8, FW / 8), b & 1);
         STAMP(21);
         float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
         for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
@@ -1003,27 +984,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         issue_by(1, st, ring, issued, itw + 14 + RING);
         residual_update(p, 2, r, opb + OP_B2 / 2, opb + OP_G3 / 2, xs, par, exchange);
         STAMP(23);
-        if (p.xt_in && b == p.nb - 1 && gb + 1 < nbt) {
-            // a step boundary inside the launch: every cluster runs the final layer itself
-            // (same bits everywhere), CTA 0 of each holds the next x_t, and every CTA embeds
-            // its columns of the next step's tokens from it (the ring streams on meanwhile)
-            const int step = gb / p.nb;
-            final_step(p, step, step == 0 ? p.xt_in : xt_s, xt_s, false, xs, xab, mrs, red, r,
-                       lnbar, lnph++ & 1);
-            // CTA 0's x_t written; every read of xa by the final layer done before the next
-            // LayerNorm slices arrive
-            cluster.sync();
-            if (r != 0) {
-                const float *src = cluster.map_shared_rank(xt_s, 0);
-                for (int e = tid; e < T * p.A; e += THREADS) xt_s[e] = src[e];
-            }
-            __syncthreads();
-            for (int e = tid; e < MR * CW; e += THREADS) {
-                const int row = e / CW, c = e % CW;
-                xs[e] = row >= T ? 0.f : embed_token(p, xt_s, row, r * CW + c);
-            }
-            __syncthreads();
-        }
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     if (h == 0) {
@@ -1033,8 +993,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         }
         if (p.xt_in) {
             __syncthreads();                          // out written before xs is rounded
-            final_step(p, p.steps - 1, p.steps > 1 ? xt_s : p.xt_in, xt_s, true, xs, xab, mrs,
-                       red, r, lnbar, lnph & 1);
+            final_step(p, xs, xab, mrs, red, r, lnbar, (3 * p.nb) & 1);
         }
     }
     cluster.sync();                 // no CTA exits while another may read its shared memory
@@ -1140,11 +1099,10 @@ int cdit_max_active_clusters(int device, int *out) {
     return (int)cudaOccupancyMaxActiveClusters(out, cdit::dit_step_kernel, &cfg);
 }
 
-// one launch: the blocks of one flow step, or (xt_in set) `steps` whole flow steps. ptr: x_in,
-// out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp, mask_bias, part, trace (null
-// or clock64 stamps), xt_in (null: the blocks alone), xt_out, w_emb, b_emb, pos, w_fin, b_fin,
-// mod_fin, tab_fin; ints: T, S, nb, nkv, prefetch, mode, A, steps; floats: eps, sm_scale, dt
-// (the fields of cdit::Params)
+// one flow step. ptr: x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
+// mask_bias, part, trace (null or clock64 stamps), xt_in (null: the blocks alone), xt_out,
+// w_emb, b_emb, pos, w_fin, b_fin, mod_fin, tab_fin; ints: T, S, nb, nkv, prefetch, mode, A;
+// floats: eps, sm_scale, dt (the fields of cdit::Params)
 int cdit_step(int device, void *stream, void *const *ptr, const long long *ints,
               const float *floats) {
     CDIT_TRY(use_device(device));
@@ -1178,7 +1136,6 @@ int cdit_step(int device, void *stream, void *const *ptr, const long long *ints,
     p.tab_fin = static_cast<const float *>(ptr[25]);
     p.T = (int)ints[0]; p.S = (int)ints[1]; p.nb = (int)ints[2]; p.nkv = (int)ints[3];
     p.prefetch = (int)ints[4]; p.mode = (int)ints[5]; p.A = (int)ints[6];
-    p.steps = (int)ints[7];
     p.eps = floats[0]; p.sm_scale = floats[1]; p.dt = floats[2];
     // zero partials carry parity 0, which block 0 (parity 1) never takes for its own
     CDIT_TRY(cudaMemsetAsync(p.part, 0, sizeof(float) * 3 * cdit::H * cdit::MR * cdit::D, st));

@@ -39,13 +39,11 @@ for every CTA of the cluster to arrive:
   their use: weights never depend on activations. Each block's small epilogue operands
   (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
 
-- the whole flow in one launch (`ClusterDiTStep.flow`, what `ServedActionExpert.flow`
-  serves): the kernel also embeds the action tokens from x_t before the blocks, and after
-  each step's blocks every cluster runs the final layer itself (its LayerNorm through the same
-  broadcast, the 16 x action_dim x 768 product on its CTA 0, the update x_t + dt * velocity in
-  float32), CTA 0 hands the new x_t to its peers at one cluster barrier, and every CTA embeds
-  its columns of the next step's tokens: no exchange between clusters at a step boundary, the
-  weight stream runs on across it, and there are no small kernels or launches between steps.
+- a whole Euler step (`ClusterDiTStep.flow_step`, what `ServedActionExpert.flow` serves): the
+  kernel also embeds the action tokens from x_t before the blocks, and after them cluster 0
+  runs the final layer (its LayerNorm through the same broadcast, the 16 x action_dim x 768
+  product on its CTA 0) and the update x_t + dt * velocity in float32, so a flow step is one
+  launch with no small kernels around it.
 
 The math is the Triton kernel's (`runtime.fused_dit` module docstring): float32 residual,
 LayerNorms applied in the GEMM epilogues through the per-flow-time tables u = W (1 + scale),
@@ -234,12 +232,11 @@ def build(path: str, nvcc: str) -> None:
 
 @dataclasses.dataclass
 class FlowArgs:
-    """What the kernel needs to run whole flow steps (`ClusterDiTStep.flow`): x_t in (before
-    the launch's first step) and out (after its last) (T, A) float32; action_embed's weight
-    (D, A) and bias (D), the position embedding's first T rows (T, D); the final linear's
-    weight (A, D) and bias (A), the final layer's modulation (steps, 2, D) (shift, scale) and
-    its LayerNorm table (steps, 2, A) float32 (u = W (1 + scale), v = W shift); dt = 1 / flow
-    steps."""
+    """What the kernel needs to run a whole flow step (`ClusterDiTStep.flow_step`): x_t in and
+    out (T, A) float32; action_embed's weight (D, A) and bias (D), the position embedding's
+    first T rows (T, D); the final linear's weight (A, D) and bias (A), the final layer's
+    modulation (2, D) (shift, scale) and its LayerNorm table (2, A) float32 (u = W (1 +
+    scale), v = W shift); dt = 1 / flow steps."""
     xt_in: torch.Tensor
     xt_out: torch.Tensor
     w_emb: torch.Tensor
@@ -293,13 +290,10 @@ class Library:
 
     def step(self, x_in, out, mod, tables, wp, bq1, bkv1, bo1, bq2, bo2, b1, b2, kp, vp,
              mask_bias, part, trace, T: int, S: int, nb: int, nkv: int, prefetch: int,
-             mode: int, eps: float, sm_scale: float, flow: FlowArgs | None = None,
-             steps: int = 1) -> None:
+             mode: int, eps: float, sm_scale: float, flow: FlowArgs | None = None) -> None:
         """One launch of the kernel (after zeroing `part`) on the current stream of out's
         device; the tensors as `cdit::Params` in cluster_dit.cu describes them. With `flow`
-        `steps` whole flow steps (x_in unused: the tokens come from flow.xt_in; mod, tables,
-        flow.mod_fin and flow.tab_fin hold one entry per step); without it the blocks of one
-        step (steps must be 1)."""
+        the whole flow step (x_in unused: the tokens come from flow.xt_in)."""
         named = dict(out=out, mod=mod, wp=wp, bq1=bq1, bkv1=bkv1, bo1=bo1, bq2=bq2,
                      bo2=bo2, b1=b1, b2=b2, kp=kp, vp=vp, mask_bias=mask_bias)
         dev = out.device
@@ -313,23 +307,15 @@ class Library:
             a = flow.w_fin.shape[0]
             if not (1 <= a <= 16 and flow.xt_in.numel() == flow.xt_out.numel() == T * a
                     and flow.w_emb.numel() == D * a and flow.pos.numel() == T * D
-                    and flow.mod_fin.numel() == steps * 2 * D
-                    and flow.tab_fin.numel() == steps * 2 * a):
-                raise ValueError(f'flow tensors do not fit T={T}, action_dim={a}, steps={steps}: '
-                                 f'xt {tuple(flow.xt_in.shape)}, pos {tuple(flow.pos.shape)}, '
-                                 f'mod_fin {tuple(flow.mod_fin.shape)}, tab_fin '
-                                 f'{tuple(flow.tab_fin.shape)}')
+                    and flow.mod_fin.numel() == 2 * D and flow.tab_fin.numel() == 2 * a):
+                raise ValueError(f'flow step tensors do not fit T={T}, action_dim={a}: '
+                                 f'xt {tuple(flow.xt_in.shape)}, pos {tuple(flow.pos.shape)}')
         for name, t in named.items():
             _require(t, name, torch.bfloat16, dev)
         _require(tables, 'tables', torch.float32, dev)
         _require(part, 'part', torch.float32, dev)
         if part.numel() != 3 * H * MAX_TOKENS * D:
             raise ValueError(f'part must be (3, {H}, {MAX_TOKENS}, {D}), got {tuple(part.shape)}')
-        if steps < 1 or (steps > 1 and (flow is None or trace is not None)):
-            raise ValueError(f'steps={steps}: more than one step needs flow and no trace')
-        if mod.numel() != steps * nb * 9 * D or tables.numel() != steps * 2 * nb * (4 * D + F):
-            raise ValueError(f'mod / tables must hold {steps} step(s) of {nb} blocks: got '
-                             f'{tuple(mod.shape)} and {tuple(tables.shape)}')
         if trace is not None:
             _require(trace, 'trace', torch.int64, dev)
         if not (1 <= T <= MAX_TOKENS and S % 16 == 0 and 1 <= nkv <= MAX_KV_SLOTS):
@@ -347,7 +333,7 @@ class Library:
                                             flow.tab_fin)]
             a, dt = flow.w_fin.shape[0], flow.dt
         ptrs = (ctypes.c_void_p * 26)(*ptrs)
-        ints = (ctypes.c_longlong * 8)(T, S, nb, nkv, prefetch, mode, a, steps)
+        ints = (ctypes.c_longlong * 7)(T, S, nb, nkv, prefetch, mode, a)
         floats = (ctypes.c_float * 3)(eps, sm_scale, dt)
         self._check(self.lib.cdit_step(_index(dev), _stream(dev), ptrs, ints, floats),
                     'the step launch')
@@ -511,7 +497,7 @@ class ClusterDiTStep:
         return out
 
     def flow_reason(self, horizon: int, context: int) -> str:
-        """'' when `flow` serves a query of this action horizon and context length (keys),
+        """'' when `flow_step` serves a query of this action horizon and context length (keys),
         else why not: the whole step needs `states_mode: cross_attn` (the tokens are the
         actions alone), horizon and action_dim <= 16 and a context the kernel takes."""
         ae = self.ae
@@ -524,53 +510,43 @@ class ClusterDiTStep:
         return ''
 
     def final_tables(self, final_mod: torch.Tensor) -> torch.Tensor:
-        """The final layer's modulation (..., 2, 1, D) (shift, scale) -> its LayerNorm table
-        (..., 2, A) float32: u = W (1 + scale), v = W shift (as `tables` for the blocks)."""
+        """The final layer's modulation (2, 1, D) (shift, scale) -> its LayerNorm table (2, A)
+        float32: u = W (1 + scale), v = W shift (as `tables` for the blocks)."""
         w = self.ae.final_layer.linear.weight.float()
-        m = final_mod.reshape(*final_mod.shape[:-3], 2, D).float()
-        return torch.stack([(1.0 + m[..., 1, :]) @ w.T, m[..., 0, :] @ w.T], dim=-2).contiguous()
+        m = final_mod.reshape(2, D).float()
+        return torch.stack([w @ (1.0 + m[1]), w @ m[0]]).contiguous()
 
-    def flow(self, xt: torch.Tensor, mods: torch.Tensor, final_mods: torch.Tensor, ctx,
-             dt: float, tables: torch.Tensor | None = None,
-             final_tables: torch.Tensor | None = None) -> torch.Tensor:
-        """n Euler steps of the flow in one launch: xt (1, horizon, A) float32 -> x after n
-        updates x + dt * velocity (same shape, float32), the velocity of
-        `ActionExpert.velocity_from_conditioning` (the action embedding, every block, the final
-        layer), the steps' modulations mods (n, n_blocks, 9, 1, D) and final_mods (n, 2, 1, D)
-        (bf16), as `euler_flow` adds it. tables (n, 2, n_blocks, 4 D + F) and final_tables
-        (n, 2, A) from `tables` / `final_tables` of each step's modulation, computed here when
-        None. Between steps each cluster runs the final layer and the next embedding itself,
-        and the weights stream on. The caller checks `flow_reason` first. Raises ValueError on
-        other shapes."""
+    def flow_step(self, xt: torch.Tensor, mod: torch.Tensor, final_mod: torch.Tensor, ctx,
+                  dt: float, tables: torch.Tensor | None = None,
+                  final_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """One Euler step of the flow in one launch: xt (1, horizon, A) float32 -> xt + dt *
+        velocity (same shape, float32), the velocity of `ActionExpert.velocity_from_conditioning`
+        (the action embedding, every block, the final layer; `mod` (n_blocks, 9, 1, D) and
+        `final_mod` (2, 1, D) the flow time's modulation) as `euler_flow` adds it. The caller
+        checks `flow_reason` first. Raises ValueError on other shapes."""
         b, t, a = xt.shape
         if b != 1 or xt.dtype != torch.float32 or a != self.action_dim:
             raise ValueError(f'xt must be (1, T, {self.action_dim}) float32, got '
                              f'{tuple(xt.shape)} {xt.dtype}')
-        n = mods.shape[0]
-        if mods.shape[1:] != (self.n_blocks, 9, 1, D) or final_mods.shape != (n, 2, 1, D):
-            raise ValueError(f'mods must be (n, {self.n_blocks}, 9, 1, {D}) and final_mods '
-                             f'(n, 2, 1, {D}); got {tuple(mods.shape)} and '
-                             f'{tuple(final_mods.shape)}')
         if tables is None:
-            tables = torch.stack([self.tables(m) for m in mods])
+            tables = self.tables(mod)
         if final_tables is None:
-            final_tables = self.final_tables(final_mods)
+            final_tables = self.final_tables(final_mod)
         ae = self.ae
         xt_out = torch.empty_like(xt)
         out = torch.empty((1, t, D), device=xt.device, dtype=torch.bfloat16)
         flow = FlowArgs(xt.contiguous(), xt_out, ae.action_embed.weight, ae.action_embed.bias,
                         ae.action_pos_embed[0, :t], ae.final_layer.linear.weight,
-                        ae.final_layer.linear.bias, final_mods.contiguous(),
-                        final_tables.contiguous(), float(dt))
-        self._launch(None, out, t, mods, ctx, tables.contiguous(), flow)
+                        ae.final_layer.linear.bias, final_mod.reshape(2, D), final_tables,
+                        float(dt))
+        self._launch(None, out, t, mod, ctx, tables, flow)
         return xt_out
 
     def _launch(self, x, out, t: int, mod, ctx, tables, flow: FlowArgs | None) -> None:
         nb = self.n_blocks
         keys = ctx.keys
         s = keys.shape[-2]
-        steps = mod.shape[0] if flow is not None else 1
-        if keys.shape != (nb, 1, H, s, HD) or mod.shape[-4:] != (nb, 9, 1, D) \
+        if keys.shape != (nb, 1, H, s, HD) or mod.shape != (nb, 9, 1, D) \
                 or ctx.values.shape != keys.shape:
             raise ValueError(f'keys / values must be ({nb}, 1, {H}, S, {HD}) and mod '
                              f'({nb}, 9, 1, {D}); got {tuple(keys.shape)}, '
@@ -587,8 +563,7 @@ class ClusterDiTStep:
         self.ext.step(x, out, mod.contiguous(), tables, self.wp, w.bq1, w.bkv1,
                       w.bo1, w.bq2, ctx.out_bias.contiguous(), w.b1, w.b2, kp, vp,
                       mask.contiguous(), part, self.trace, t, s, nb, nkv,
-                      self.prefetch, self.mode, self.base.eps, self.base.sm_scale, flow=flow,
-                      steps=steps)
+                      self.prefetch, self.mode, self.base.eps, self.base.sm_scale, flow)
 
 
 def main() -> int:

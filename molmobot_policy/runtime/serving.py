@@ -150,8 +150,8 @@ class ServedActionExpert:
         flow_steps: Euler steps; the AdaLN modulation of each flow time i / flow_steps is
             computed once (it depends on the weights only).
         kernel: run each flow step's blocks as one kernel: 'triton' (`runtime.fused_dit`),
-            'cluster' (`runtime.cluster_dit`; `flow` then runs the whole flow in one launch
-            of it, embeddings, final layers and updates included), or '' (the blocks).
+            'cluster' (`runtime.cluster_dit`; `flow` then runs each whole Euler step in it,
+            embedding, final layer and update included), or '' (the blocks).
     """
 
     def __init__(self, ae: ActionExpert, flow_steps: int, kernel: str = '') -> None:
@@ -178,16 +178,12 @@ class ServedActionExpert:
                 else:
                     from molmobot_policy.runtime import fused_dit
                     step = fused_dit.FusedDiTStep(ae)   # stacks the blocks' weights in place
-                tables = torch.stack([step.tables(c.blocks) for c in self.conditioning])
+                tables = [step.tables(c.blocks) for c in self.conditioning]
                 self.fused_steps = [functools.partial(step, tables=t) for t in tables]
-                if kernel == 'cluster':     # every step's operands stacked, for one launch
+                if kernel == 'cluster':
                     self.step_kernel = step
-                    self.flow_args = dict(
-                        mods=torch.stack([c.blocks for c in self.conditioning]),
-                        final_mods=torch.stack([c.final for c in self.conditioning]),
-                        tables=tables)
-                    self.flow_args['final_tables'] = step.final_tables(
-                        self.flow_args['final_mods'])
+                    self.flow_tables = [(t, step.final_tables(c.final))
+                                        for t, c in zip(tables, self.conditioning)]
 
     def key_values(self, rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,13 +203,17 @@ class ServedActionExpert:
     def flow(self, noise: torch.Tensor, ctx: ActionExpertContext) -> torch.Tensor:
         """`euler_flow` from noise (1, horizon, action_dim) with the served velocity -> float32
         (1, horizon, action_dim). Where the cluster kernel serves and takes the query
-        (`ClusterDiTStep.flow_reason`), the whole flow is one launch of it: each step's
-        action embedding, blocks, final layer and update x + dt * velocity inside the kernel,
-        with the same operations and roundings as the separate path."""
+        (`ClusterDiTStep.flow_reason`), each Euler step is one launch of it: the action
+        embedding, the blocks, the final layer and the update x + dt * velocity inside the
+        kernel, with the same operations and roundings as the separate path."""
         steps, kernel = self.steps, self.step_kernel
         if kernel is not None and not kernel.flow_reason(noise.shape[1], ctx.keys.shape[-2]):
-            return kernel.flow(noise.float().contiguous(), ctx=ctx, dt=1.0 / steps,
-                               **self.flow_args)
+            x = noise.float().contiguous()
+            for i, c in enumerate(self.conditioning):
+                tables, final_tables = self.flow_tables[i]
+                x = kernel.flow_step(x, c.blocks, c.final, ctx, 1.0 / steps, tables,
+                                     final_tables)
+            return x
         return euler_flow(noise, lambda x, i: self.velocity(x, i, ctx), steps)
 
     def velocity(self, x_t: torch.Tensor, step: int, ctx: ActionExpertContext) -> torch.Tensor:
