@@ -15,6 +15,9 @@ engine does, and replays the 10-step loop as one CUDA graph in these variants:
   change to the kernel (`--repeat 2` alternates them);
 - `--cluster-baseline FILE`: likewise for the cluster kernel (`runtime/cluster_dit.py`, its
   `.cu` beside the file), with whether the served one gives the same bits;
+- `cluster whole steps`: the cluster kernel running each whole Euler step (embedding, blocks,
+  final layer, update) in one launch, as the engine serves it; the `cluster (prefetch N)` rows
+  run its blocks alone with the rest as torch ops;
 - `phased`: the same kernel launched once per phase (9 x 36 launches per step, no barrier);
   then each phase alone (36 launches of it captured as a graph), in us per block.
 
@@ -87,6 +90,19 @@ def bound_steps(step, cond):
     return [functools.partial(step, tables=step.tables(c.blocks)) for c in cond]
 
 
+def whole_steps(step, ctx, cond, steps):
+    """The loop as `ServedActionExpert.flow` serves it with the cluster kernel: each Euler step
+    (embedding, blocks, final layer, update) one launch (`ClusterDiTStep.flow_step`)."""
+    tables = [(step.tables(c.blocks), step.final_tables(c.final)) for c in cond]
+
+    def loop_fn(noise):
+        x = noise.float().contiguous()
+        for c, (t, final) in zip(cond, tables):
+            x = step.flow_step(x, c.blocks, c.final, ctx, 1.0 / steps, t, final)
+        return x
+    return loop_fn
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--context', type=int, default=1664, help='LLM tokens (the bucket)')
@@ -128,10 +144,10 @@ def main(argv=None) -> int:
         cond = [ae.time_conditioning(torch.full((1,), i / steps, device=dev))
                 for i in range(steps)]
 
-        def measure(label, step_fns):
+        def measure(label, step_fns, loop_fn=None):
             t0 = time.perf_counter()
-            runner = StaticRunner(flow_loop(ae, ctx, cond, steps, step_fns), {'noise': noise},
-                                  cuda_graph=True)
+            runner = StaticRunner(loop_fn or flow_loop(ae, ctx, cond, steps, step_fns),
+                                  {'noise': noise}, cuda_graph=True)
             warm = time.perf_counter() - t0
             a, b = runner.run(), runner.run()
             timing = common.summary(common.time_replays(runner, args.iters))
@@ -178,12 +194,20 @@ def main(argv=None) -> int:
                                      cluster_base, {}))
                 variants += [(f'cluster (prefetch {pf}){suffix}', cluster_dit,
                               dict(prefetch=int(pf))) for pf in args.cluster_prefetch.split(',')]
+                variants.append((f'cluster whole steps{suffix}', cluster_dit,
+                                 dict(whole_steps=True)))
         base_out = None             # the last cluster baseline's loop output
         for label, module, kwargs in variants:
             try:
                 step_cls = (module.ClusterDiTStep if hasattr(module, 'ClusterDiTStep')
                             else module.FusedDiTStep)
-                row, out = measure(label, bound_steps(step_cls(ae, **kwargs), cond))
+                kwargs = dict(kwargs)
+                whole = kwargs.pop('whole_steps', False)
+                step = step_cls(ae, **kwargs)
+                if whole:
+                    row, out = measure(label, None, whole_steps(step, ctx, cond, steps))
+                else:
+                    row, out = measure(label, bound_steps(step, cond))
                 row['rel_diff_vs_torch'] = float((out - torch_out).abs().max()) / scale
                 if module is cluster_dit and base_out is not None:
                     row['same_bits_as_cluster_baseline'] = bool(torch.equal(out, base_out))
