@@ -5,6 +5,7 @@ kernel's weight preparation; all on the CPU (the CUDA-only GELU epilogue: test_v
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -310,3 +311,55 @@ def test_gelu_epilogue_mlp_wires_bias_weights_and_shapes():
         erf = mlp.w2(F.gelu(mlp.w1(x), approximate='none'))
     assert out.shape == (2, 5, 24)
     torch.testing.assert_close(out, erf, rtol=1e-5, atol=1e-5)
+
+
+def _flow_reason_of(ae):
+    """`ClusterDiTStep.flow_reason` of an expert without building the kernel (which needs a
+    Hopper GPU): the method reads only the expert and its action_dim."""
+    from molmobot_policy.runtime import cluster_dit
+    step = object.__new__(cluster_dit.ClusterDiTStep)
+    step.ae, step.action_dim = ae, ae.action_embed.in_features
+    return step
+
+
+def test_the_whole_step_kernel_takes_one_cross_attn_query_and_names_what_it_does_not(models):
+    step = _flow_reason_of(models['cross_attn'][1].action_expert)
+    horizon = TINY.action_horizon
+    assert step.flow_reason(horizon, 1680) == ''
+    assert 'batch of 2' in step.flow_reason(horizon, 1680, batch=2)
+    assert 'horizon 17' in step.flow_reason(17, 1680)
+    assert 'context of 1681 keys' in step.flow_reason(horizon, 1681)
+    assert 'context of 112 keys' in step.flow_reason(horizon, 112)
+    self_attn = _flow_reason_of(models['self_attn'][1].action_expert)
+    assert "states_mode 'self_attn'" in self_attn.flow_reason(horizon, 1680)
+
+
+def test_served_flow_runs_a_batch_through_the_separate_steps_where_the_kernel_runs_one(models):
+    """`ServedActionExpert.flow` with a whole-step kernel that would take a single query of
+    this context: a batch of two goes through `euler_flow` with the served velocity (the
+    kernel is not called), and each query's actions equal that query's flow alone."""
+    _, prepared = models['cross_attn']
+    ids, images, pool, states = make_inputs(batch=2)
+    noise = torch.randn(2, TINY.action_horizon, TINY.action_dim,
+                        generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        hidden = prepared.select_ae_layers(prepared.llm_hidden_states(ids, images, pool,
+                                                                      attention_mask=mask))
+        served = ServedActionExpert(prepared.action_expert, STEPS)
+        ctx = served.context(hidden, mask, states)
+        kernel = _flow_reason_of(prepared.action_expert)
+        kernel.flow_step = lambda *a, **k: pytest.fail('the one-query kernel was called')
+        # the premise: one query of this context is what the kernel takes
+        assert kernel.flow_reason(TINY.action_horizon, ctx.keys.shape[-2]) == ''
+        served.step_kernel = kernel
+        out = served.flow(noise, ctx)
+
+        def query(i):
+            return dataclasses.replace(
+                ctx, keys=ctx.keys[:, i:i + 1], values=ctx.values[:, i:i + 1],
+                mask_bias=ctx.mask_bias[i:i + 1], state_tokens=ctx.state_tokens[i:i + 1])
+        alone = [euler_flow(noise[i:i + 1], lambda x, s, c=query(i): served.velocity(x, s, c),
+                            STEPS) for i in range(2)]
+    assert out.shape == noise.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-5, atol=1e-5)

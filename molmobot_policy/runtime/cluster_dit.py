@@ -496,11 +496,14 @@ class ClusterDiTStep:
         self._launch(x.contiguous(), out, t, mod, ctx, tables, None)
         return out
 
-    def flow_reason(self, horizon: int, context: int) -> str:
-        """'' when `flow_step` serves a query of this action horizon and context length (keys),
-        else why not: the whole step needs `states_mode: cross_attn` (the tokens are the
-        actions alone), horizon and action_dim <= 16 and a context the kernel takes."""
+    def flow_reason(self, horizon: int, context: int, batch: int = 1) -> str:
+        """'' when `flow_step` serves `batch` queries of this action horizon and context length
+        (keys), else why not: the whole step runs one query (batch 1) and needs `states_mode:
+        cross_attn` (the tokens are the actions alone), horizon and action_dim <= 16 and a
+        context the kernel takes."""
         ae = self.ae
+        if batch != 1:
+            return f'a batch of {batch} queries (the flow step runs one)'
         if ae.states_mode != 'cross_attn':
             return f"states_mode {ae.states_mode!r} (the flow step needs 'cross_attn')"
         if horizon > MAX_TOKENS or self.action_dim > 16:
@@ -519,15 +522,26 @@ class ClusterDiTStep:
     def flow_step(self, xt: torch.Tensor, mod: torch.Tensor, final_mod: torch.Tensor, ctx,
                   dt: float, tables: torch.Tensor | None = None,
                   final_tables: torch.Tensor | None = None) -> torch.Tensor:
-        """One Euler step of the flow in one launch: xt (1, horizon, A) float32 -> xt + dt *
-        velocity (same shape, float32), the velocity of `ActionExpert.velocity_from_conditioning`
-        (the action embedding, every block, the final layer; `mod` (n_blocks, 9, 1, D) and
-        `final_mod` (2, 1, D) the flow time's modulation) as `euler_flow` adds it. The caller
-        checks `flow_reason` first. Raises ValueError on other shapes."""
+        """One Euler step of the flow in one launch, on xt's CUDA device and current stream: xt
+        (1, horizon, A) float32 -> xt + dt * velocity (same shape, float32), the velocity of
+        `ActionExpert.velocity_from_conditioning` (the action embedding, every block, the final
+        layer) as `euler_flow` adds it. mod (n_blocks, 9, 1, D) and final_mod (2, 1, D): the
+        flow time's modulation, bf16 (`ActionExpert.time_conditioning`); ctx: the served
+        context (bf16 K/V, `ServedActionExpert.context`); tables: `tables(mod)` (2, n_blocks,
+        4 D + F) float32 and final_tables: `final_tables(final_mod)` (2, A) float32, computed
+        here when None. The sums run in the kernel's order and the final layer's LayerNorm
+        goes through its table, so the result is within bf16 rounding of the separate path,
+        not bit-equal. Raises ValueError where `flow_reason` names a reason or a tensor has
+        another shape, dtype or device; RuntimeError if the launch fails (CUDA's message)."""
         b, t, a = xt.shape
         if b != 1 or xt.dtype != torch.float32 or a != self.action_dim:
             raise ValueError(f'xt must be (1, T, {self.action_dim}) float32, got '
                              f'{tuple(xt.shape)} {xt.dtype}')
+        reason = self.flow_reason(t, ctx.keys.shape[-2], b)
+        if reason:
+            raise ValueError(f'the whole-step kernel cannot take this query: {reason}')
+        if tuple(final_mod.shape) != (2, 1, D):
+            raise ValueError(f'final_mod must be (2, 1, {D}), got {tuple(final_mod.shape)}')
         if tables is None:
             tables = self.tables(mod)
         if final_tables is None:

@@ -201,13 +201,17 @@ class ServedActionExpert:
         return self.ae.prepare_context(hidden, encoder_mask, states, self.key_values)
 
     def flow(self, noise: torch.Tensor, ctx: ActionExpertContext) -> torch.Tensor:
-        """`euler_flow` from noise (1, horizon, action_dim) with the served velocity -> float32
-        (1, horizon, action_dim). Where the cluster kernel serves and takes the query
-        (`ClusterDiTStep.flow_reason`), each Euler step is one launch of it: the action
+        """`euler_flow` from noise (B, horizon, action_dim) (a float dtype) with the served
+        velocity -> float32 (B, horizon, action_dim). Where the cluster kernel serves and takes
+        the query (`ClusterDiTStep.flow_reason`: one query, `states_mode: cross_attn`, horizon
+        and action_dim <= 16, 128..2048 keys), each Euler step is one launch of it: the action
         embedding, the blocks, the final layer and the update x + dt * velocity inside the
-        kernel, with the same operations and roundings as the separate path."""
+        kernel (the same operations, float32 sums in the kernel's order: within bf16 rounding
+        of the separate path); else the separate path. Raises RuntimeError if a kernel launch
+        fails (CUDA's message)."""
         steps, kernel = self.steps, self.step_kernel
-        if kernel is not None and not kernel.flow_reason(noise.shape[1], ctx.keys.shape[-2]):
+        if kernel is not None and not kernel.flow_reason(noise.shape[1], ctx.keys.shape[-2],
+                                                         noise.shape[0]):
             x = noise.float().contiguous()
             for i, c in enumerate(self.conditioning):
                 tables, final_tables = self.flow_tables[i]
