@@ -169,7 +169,6 @@ class ServedActionExpert:
                 (1,), i / flow_steps, device=device, dtype=torch.float32))
                 for i in range(flow_steps)]
             self.fused_steps = None
-            self.steps = flow_steps
             self.step_kernel = None     # the cluster kernel, for whole Euler steps (`flow`)
             if kernel:
                 if kernel == 'cluster':
@@ -209,7 +208,7 @@ class ServedActionExpert:
         kernel (the same operations, float32 sums in the kernel's order: within bf16 rounding
         of the separate path); else the separate path. Raises RuntimeError if a kernel launch
         fails (CUDA's message)."""
-        steps, kernel = self.steps, self.step_kernel
+        steps, kernel = len(self.conditioning), self.step_kernel
         if kernel is not None and not kernel.flow_reason(noise.shape[1], ctx.keys.shape[-2],
                                                          noise.shape[0]):
             x = noise.float().contiguous()
