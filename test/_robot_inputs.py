@@ -106,11 +106,11 @@ class InProcessGraph:
     def close(self) -> None:
         import rclpy
         self.executor.shutdown(timeout_sec=2.0)
+        if self.thread is not None:     # the spin thread ends before the nodes go (else it
+            self.thread.join(timeout=5.0)   # may touch a destroyed handle: InvalidHandle)
         self.policy.destroy_node()
         self.peer.destroy_node()
         rclpy.try_shutdown(context=self.context)
-        if self.thread is not None:
-            self.thread.join(timeout=5.0)
 
 
 def graphs(graph_class):

@@ -54,7 +54,7 @@ from molmobot_policy.ros.report import WARN_THROTTLE_S, LoopReport, RepeatedLine
 from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (public here too)
                                          default_engine_factory, read_model_config,
                                          served_weights, serves_random_weights)
-from molmobot_policy.ros.synchronizer import ObservationSynchronizer
+from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
 from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, QuietWindow,
                                     freeze_heap, latency_estimator, unfreeze_heap)
 from molmobot_policy.timing.chunking import chunk_gap
@@ -645,19 +645,26 @@ class PolicyNode(LifecycleNode):
 
     # ------------------------------------------------------------ the loop's injections
     def _observe(self, now: float):
+        """The tick's Observation, or why the tick is skipped: every reason at once (an empty
+        instruction, allowed at configure to be set at run time, does not hide what the inputs
+        lack; an observation built while it is empty is not used)."""
         instruction = self._param('instruction')
-        if not instruction.strip():     # allowed at configure, to be set at run time
-            return ("parameter 'instruction' is empty: set it to the task text (it may change "
-                    'at run time)')
+        reasons = []
+        if not instruction.strip():
+            reasons.append("parameter 'instruction' is empty: set it to the task text (it may "
+                           'change at run time)')
         problem = self._poll_receiver()
         if problem:
-            return f'{problem}: no camera frames arrive'
+            return '; '.join(reasons + [f'{problem}: no camera frames arrive'])
         problem = graph.other_commanders(self, self._trajectory_pub.topic_name)
         if problem:
-            return problem
-        return self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
-                                instruction=instruction,
-                                max_image_spread=self._param('max_image_spread'))
+            return '; '.join(reasons + [problem])
+        built = self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
+                                 instruction=instruction,
+                                 max_image_spread=self._param('max_image_spread'))
+        if reasons:
+            return '; '.join(reasons + (list(built.reasons) if isinstance(built, Skip) else []))
+        return built
 
     def _measured(self):
         """(positions, stamp) of the action joints for the loop's MotionLimiter

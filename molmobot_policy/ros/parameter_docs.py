@@ -34,8 +34,9 @@ fails configure with a suggestion. *run time*: `yes`: `ros2 param set` (with the
 only, which have no `ros2 param`: the SetParameters call of docs/ROBOT.md) changes it while the
 node runs; `unconfigured`: read at configure / activate, so a set is taken only while the node
 is unconfigured (deactivate, cleanup, set, configure, activate); `no`: read at start only.
-Write doubles with a decimal point (`1.0`, not `1`) in parameter files (a file's `1` is refused with that hint); `ros2 param set` takes `1` for a
-double as `1.0`. *dynamic*: the node converts the value at configure, so a per-joint list
+Write doubles with a decimal point (`1.0`, not `1`) in parameter files and on the command
+line (a file's `1`, or `-p chunk_period:=1`, is refused with that hint); `ros2 param set` takes
+`1` for a double as `1.0`. *dynamic*: the node converts the value at configure, so a per-joint list
 also takes one number, and `fused_action_expert` also takes unquoted `on` / `off` (which
 YAML reads as booleans).
 On a full ROS 2 install `ros2 param describe /molmobot_policy <name>` shows the same

@@ -561,7 +561,8 @@ class ObservationSynchronizer:
             elif now - frame.stamp > max_image_age:
                 arriving = ('; its frames keep arriving (the newest '
                             f'{max(now - frame.received, 0.0):.3f} s ago) with stamps that old: '
-                            "the driver's latency or its clock"
+                            'the publisher stamps them late (still starting up, or its '
+                            'latency) or its clock is behind'
                             if now - frame.received <= max_image_age and not why else '')
                 arriving = _clock_went_back(dropped_older.get(topic), frame.stamp, now,
                                             max_image_age, 'frames') or arriving
