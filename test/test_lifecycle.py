@@ -338,15 +338,18 @@ def test_an_empty_instruction_skips_ticks_naming_the_parameter(start_policy_node
     """Allowed at configure (it may be set at run time): the node warns, then each tick is
     skipped with a reason that names the parameter, not the engine's wording, and that does
     not hide what else the tick lacks (here nothing publishes the cameras or joints)."""
-    node = start_policy_node(dict(PARAMETERS, autostart=True, instruction=''))
+    silent = [f'/lifecycle_silent_cam{k}/image_raw' for k in range(2)]  # no test publishes
+    node = start_policy_node(dict(PARAMETERS, autostart=True, instruction='',
+                                  camera_topics=silent,
+                                  joint_state_topic='/lifecycle_silent_joint_states'))
     assert node.wait_for_log('active:', 60.0), node.log()
     assert "parameter 'instruction' is empty: the engine refuses" in node.log()
     assert node.wait_for_log("parameter 'instruction' is empty: set it to the task text", 20.0), \
         node.log()[-2000:]
     line = re.search(r"skipping tick \d+: parameter 'instruction' is empty[^\n]*", node.log())
     assert line, node.log()[-2000:]
-    assert f'camera {CAMERAS[0]} has no image yet' in line.group(0), line.group(0)
-    assert 'joint state /lifecycle_joint_states has no message yet' in line.group(0), \
+    assert f'camera {silent[0]} has no image yet' in line.group(0), line.group(0)
+    assert 'joint state /lifecycle_silent_joint_states has no message yet' in line.group(0), \
         line.group(0)
     assert node.running()
     assert node.stop(timeout=15.0) == 0, node.log()[-2000:]
