@@ -197,3 +197,23 @@ def test_subprocess_with_use_sim_time_is_refused_naming_both_parameters():
     with pytest.raises(ParameterError,
                        match="not one of \\['auto', 'in_process', 'subprocess'\\]"):
         check_parameter_values(values.get)
+
+
+def test_a_ctrl_c_while_the_receiver_process_starts_does_not_end_it():
+    """A Ctrl-C reaches the whole process group, the receiver child included, and may come
+    while the child is still starting (its interpreter importing the package, before it
+    ignores SIGINT itself): it starts with SIGINT blocked, so it neither dies nor prints a
+    KeyboardInterrupt traceback there; the parent stops it."""
+    import time
+
+    from molmobot_policy.ros.camera_receiver import CameraReceiver
+    receiver = CameraReceiver('ctrl_c_test', '/', [('/ctrl_c_test_cam/image_raw', False)],
+                              'sensor_data')
+    receiver.start()
+    try:
+        time.sleep(0.02)                    # the spawned interpreter is still starting
+        os.kill(receiver.pid, signal.SIGINT)
+        assert receiver.wait_ready(30.0), 'the receiver did not subscribe after the SIGINT'
+        assert receiver.problem() == ''
+    finally:
+        receiver.stop()

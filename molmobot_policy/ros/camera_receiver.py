@@ -139,7 +139,14 @@ class CameraReceiver:
                 args=(self.node_name, self._namespace, self._cameras, self._qos,
                       self._slots.name, self._capacity, self._stop, os.getpid(),
                       self._ready))
-            self._process.start()
+            # the child starts with SIGINT blocked (the mask survives the spawn's exec): a
+            # Ctrl-C, which reaches the whole process group, does not interrupt its start-up
+            # imports with a traceback before run_receiver ignores SIGINT
+            masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, masked)
         except BaseException:
             self._slots.unlink()
             self._slots = None
