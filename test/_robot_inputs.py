@@ -103,11 +103,24 @@ class InProcessGraph:
             time.sleep(0.01)
         return task.result()
 
+    def spin(self) -> None:
+        """The executor thread's target: spins until `close` asks it to stop or the context
+        goes down. `close` stops it before it shuts the executor down: a callback still
+        running in `Executor.spin` would otherwise touch the destroyed guard condition
+        (InvalidHandle, a warning in another test)."""
+        from rclpy.executors import ExternalShutdownException
+        try:
+            while not getattr(self, '_stop_spinning', False) and self.context.ok():
+                self.executor.spin_once(timeout_sec=0.05)
+        except ExternalShutdownException:       # a test took the context down
+            pass
+
     def close(self) -> None:
         import rclpy
+        self._stop_spinning = True
+        if self.thread is not None:
+            self.thread.join(timeout=5.0)
         self.executor.shutdown(timeout_sec=2.0)
-        if self.thread is not None:     # the spin thread ends before the nodes go (else it
-            self.thread.join(timeout=5.0)   # may touch a destroyed handle: InvalidHandle)
         self.policy.destroy_node()
         self.peer.destroy_node()
         rclpy.try_shutdown(context=self.context)
@@ -170,7 +183,7 @@ class RecordingGraph(InProcessGraph):
         self.executor.add_node(self.policy)
         self.executor.add_node(self.peer)
         assert self.policy.autostart()
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread = threading.Thread(target=self.spin, daemon=True)
         self.thread.start()
 
     def _on_info(self, msg):

@@ -152,7 +152,7 @@ class _Graph(InProcessGraph):
 
     def start(self) -> None:
         assert self.policy.autostart(), self.log.text('error')
-        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread = threading.Thread(target=self.spin, daemon=True)
         self.thread.start()
 
     def status(self, task: str):
@@ -195,7 +195,7 @@ def test_a_node_that_failed_to_configure_says_so_on_diagnostics(graph):
     from diagnostic_msgs.msg import DiagnosticStatus
     g = graph('safety_idle', engine=lambda config: None)
     assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
-    g.thread = threading.Thread(target=g.executor.spin, daemon=True)
+    g.thread = threading.Thread(target=g.spin, daemon=True)
     g.thread.start()
 
     def failed():
@@ -207,16 +207,10 @@ def test_a_node_that_failed_to_configure_says_so_on_diagnostics(graph):
 
 def _spin_peer_only(g) -> None:
     """Spin the peer alone: the policy's timers do not run, as while its executor thread is
-    inside on_configure (a ChangeState call or autostart)."""
-    from rclpy.executors import ExternalShutdownException
+    inside on_configure (a ChangeState call or autostart). (`spin` also ends quietly when
+    the shutdown test's context goes down.)"""
     g.executor.remove_node(g.policy)
-
-    def spin():
-        try:
-            g.executor.spin()
-        except ExternalShutdownException:       # the shutdown test's context went down
-            pass
-    g.thread = threading.Thread(target=spin, daemon=True)
+    g.thread = threading.Thread(target=g.spin, daemon=True)
     g.thread.start()
 
 
