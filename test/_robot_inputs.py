@@ -78,6 +78,8 @@ class InProcessGraph:
     peer node (`peer`) on their own `context`, in one `executor` spun by `thread` (None
     until started); the peer's callbacks append under `lock`. Subclasses build them."""
 
+    _stop_spinning = False      # set by `close`: `spin` returns
+
     def wait_for(self, predicate, timeout: float = 20.0) -> bool:
         """Poll `predicate()` (under `lock`) every 20 ms until true (True) or `timeout` s."""
         import time
@@ -110,7 +112,7 @@ class InProcessGraph:
         (InvalidHandle, a warning in another test)."""
         from rclpy.executors import ExternalShutdownException
         try:
-            while not getattr(self, '_stop_spinning', False) and self.context.ok():
+            while not self._stop_spinning and self.context.ok():
                 self.executor.spin_once(timeout_sec=0.05)
         except ExternalShutdownException:       # a test took the context down
             pass

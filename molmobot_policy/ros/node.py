@@ -655,15 +655,15 @@ class PolicyNode(LifecycleNode):
                            'change at run time)')
         problem = self._poll_receiver()
         if problem:
-            return '; '.join(reasons + [f'{problem}: no camera frames arrive'])
+            return Skip(tuple(reasons) + (f'{problem}: no camera frames arrive',))
         problem = graph.other_commanders(self, self._trajectory_pub.topic_name)
         if problem:
-            return '; '.join(reasons + [problem])
+            return Skip(tuple(reasons) + (problem,))
         built = self._sync.build(now, self._param('max_image_age'), self._param('max_state_age'),
                                  instruction=instruction,
                                  max_image_spread=self._param('max_image_spread'))
         if reasons:
-            return '; '.join(reasons + (list(built.reasons) if isinstance(built, Skip) else []))
+            return Skip(tuple(reasons) + (built.reasons if isinstance(built, Skip) else ()))
         return built
 
     def _measured(self):
