@@ -159,6 +159,30 @@ def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected
     assert config['fused_action_expert'] == expected
 
 
+@pytest.mark.parametrize('name', ['fused_action_expert', 'llm_attention', 'quantize', 'dtype',
+                                  'tokenizer', 'overlong'])
+def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_context, name):
+    """The value domains need no device: the node refuses 'banana' before it logs that it
+    builds an engine (which would say RANDOM WEIGHTS are loading) or calls the factory."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=f'param_banana_{name}',
+                      context=ros_context,
+                      parameter_overrides=[Parameter('autostart', value=False),
+                                           Parameter('allow_random_weights', value=True),
+                                           Parameter(name, value='banana')])
+    try:
+        errors, infos = [], []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        node.get_logger().info = lambda msg, **kw: infos.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+    finally:
+        node.destroy_node()
+    assert capture.config is None
+    assert not [line for line in infos if 'building engine' in line], infos
+    assert len(errors) == 1 and f"{name} must be one of" in errors[0], errors
+    assert "got 'banana'" in errors[0]
+
+
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
     error = _refused(ros_context, 'quantize', False, 'param_bool_str')
     assert 'not a valid str' in error.expected and 'booleans' in error.expected

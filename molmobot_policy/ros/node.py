@@ -254,7 +254,7 @@ class PolicyNode(LifecycleNode):
         self._check_not_shut_down()     # a stop requested before configure began
         cameras = list(self._param('camera_topics'))
         engine_config = {name: self._param(name) for name in ENGINE_PARAMETERS}
-        from molmobot_policy.runtime.config import fused_action_expert_mode
+        from molmobot_policy.runtime.config import CHOICES, check_choices, fused_action_expert_mode
         engine_config['fused_action_expert'] = fused_action_expert_mode(  # unquoted on / off
             engine_config['fused_action_expert'])
         started = time.monotonic()
@@ -267,6 +267,8 @@ class PolicyNode(LifecycleNode):
             engine_config['buckets'] = bucket_lengths(engine_config['buckets'])
             check_unknown_parameters(self)
             check_parameter_values(self._param)
+            # a misspelled engine option is refused before the engine is said to be built
+            check_choices(**{name: engine_config[name] for name in CHOICES})
             self._check_graph()
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             limiter = motion_limiter(self._param)     # ... on bad motion limits

@@ -16,6 +16,34 @@ FUSED_AE_MODES = ('auto', 'on', 'off', 'cluster', 'triton')
 LLM_ATTENTION_MODES = ('auto', 'masked', 'flash')
 
 
+# the options that take one of a fixed set of values: name -> (the values, a hint for the message)
+CHOICES = {
+    'dtype': (tuple(sorted(DTYPES)), ''),
+    'quantize': (QUANTIZE_MODES, ''),
+    'tokenizer': (TOKENIZER_MODES, ''),
+    'fused_action_expert': (FUSED_AE_MODES, ' (or true / false: on / off)'),
+    'llm_attention': (LLM_ATTENTION_MODES, ''),
+    'overlong': (OVERLONG_MODES, ''),
+}
+
+
+def check_choices(**values) -> None:
+    """Checks that each option given (a name of `CHOICES`) takes one of its values; the others
+    are not looked at. Needs no device: the node calls it before it starts to build an
+    engine, `EngineConfig` on construction.
+
+    Raises:
+        ValueError: '<name> must be one of <values>, got <value>' for the first one that does
+            not (`fused_action_expert` after `fused_action_expert_mode`).
+    """
+    for name, value in values.items():
+        allowed, hint = CHOICES[name]
+        if name == 'fused_action_expert':
+            value = fused_action_expert_mode(value)
+        if value not in allowed:
+            raise ValueError(f'{name} must be one of {allowed}{hint}, got {value!r}')
+
+
 def fused_action_expert_mode(value):
     """`fused_action_expert` as written by a user: True / False (YAML's unquoted on / off,
     `-p fused_action_expert:=on`) read as 'on' / 'off'; any other value unchanged
@@ -103,19 +131,11 @@ class EngineConfig:
     instruction: str = ''
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f'dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}')
-        if self.quantize not in QUANTIZE_MODES:
-            raise ValueError(f'quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}')
-        if self.tokenizer not in TOKENIZER_MODES:
-            raise ValueError(f'tokenizer must be one of {TOKENIZER_MODES}, got {self.tokenizer!r}')
+        check_choices(**{name: getattr(self, name) for name in CHOICES})
         if self.norm_stats_key and not self.checkpoint_path:
             raise ValueError(f'norm_stats_key={self.norm_stats_key!r} needs a checkpoint_path '
                              '(presets carry one set of stats)')
         self.fused_action_expert = fused_action_expert_mode(self.fused_action_expert)
-        if self.fused_action_expert not in FUSED_AE_MODES:
-            raise ValueError(f'fused_action_expert must be one of {FUSED_AE_MODES} (or true / '
-                             f'false: on / off), got {self.fused_action_expert!r}')
         mode = self.fused_action_expert
         if mode in ('on', 'cluster', 'triton'):
             if mode == 'on':                    # what a YAML true became: say which kernel
@@ -132,17 +152,12 @@ class EngineConfig:
             if mode == 'cluster' and self.dtype != 'bfloat16':
                 raise ValueError(f"fused_action_expert=cluster needs dtype 'bfloat16', got "
                                  f'{self.dtype!r}')
-        if self.llm_attention not in LLM_ATTENTION_MODES:
-            raise ValueError(f'llm_attention must be one of {LLM_ATTENTION_MODES}, got '
-                             f'{self.llm_attention!r}')
         if self.llm_attention == 'flash' and not self.device.startswith('cuda'):
             raise ValueError(f'llm_attention=flash needs a CUDA device, got '
                              f'device={self.device!r}')
         if self.llm_attention == 'flash' and self.dtype == 'float32':
             raise ValueError("llm_attention=flash needs dtype 'bfloat16' or 'float16', got "
                              "'float32'")
-        if self.overlong not in OVERLONG_MODES:
-            raise ValueError(f'overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}')
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
         if any(b <= 0 for b in self.buckets):
             raise ValueError(f'buckets must be positive token counts, got {self.buckets}')
