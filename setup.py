@@ -25,7 +25,7 @@ setup(
     license='Apache-2.0',
     entry_points={
         'console_scripts': [
-            'policy_node = molmobot_policy.ros.main:main',
+            'policy_node = molmobot_policy.ros.entry:main',
         ],
     },
 )

@@ -5,6 +5,7 @@ buckets too small); the engine's log lines through the ROS logger and a clean Ct
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -308,6 +309,49 @@ def test_a_stop_signal_stops_the_worker_and_node_before_the_context(start_policy
     assert not re.search(r'\]: chunk \d+:', after), after[-2000:]     # nothing sent after
     assert 'shutting down after' in node.log(), node.log()[-2000:]
     assert 'Failed to publish log message to rosout' not in node.log(), node.log()[-2000:]
+
+
+def _mapped(pid: int, fragment: str) -> bool:
+    """True once a file whose path contains `fragment` is mapped into process pid."""
+    try:
+        return fragment in Path(f'/proc/{pid}/maps').read_text()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_during_the_imports_is_a_stop_request_too(start_policy_node):
+    """SIGINT while the process still imports the node (rclpy, torch, the model: seconds,
+    before any configure) ends it with exit status 0 and the line a stop while starting
+    gives, not a KeyboardInterrupt traceback and 130 (what a supervisor reads as a second,
+    forced Ctrl-C): the entry installs the stop signals before those imports. The signal is
+    sent once rclpy's extension is mapped, which the node's module imports after the entry
+    ran and before torch."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True))
+    pid = node.process.pid
+    deadline = time.monotonic() + 60.0
+    while not _mapped(pid, 'rclpy') and node.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.running() and _mapped(pid, 'rclpy'), node.log()[-2000:]
+    node.process.send_signal(signal.SIGINT)
+    assert node.process.wait(60.0) == 0, node.log()[-2000:]
+    log = node.log()
+    assert 'Traceback' not in log and 'KeyboardInterrupt' not in log, log[-2000:]
+    assert 'interrupted while starting' in log, log[-2000:]
+    assert 'configured in' not in log and 'active:' not in log, log[-2000:]
+
+
+def test_ctrl_c_while_activating_never_reports_the_node_active(start_policy_node):
+    """SIGINT while activate waits for the camera receiver child to subscribe: activate stops
+    there (the child stopped, no worker started), the node never logs 'active: ... publishing
+    on', and the process exits 0 with the line a stop while starting gives."""
+    node = start_policy_node(dict(PARAMETERS, autostart=True, camera_receiver='subprocess'))
+    assert node.wait_for_log('camera_receiver: subprocess', 90.0), node.log()[-2000:]
+    node.process.send_signal(signal.SIGINT)
+    assert node.process.wait(60.0) == 0, node.log()[-2000:]
+    log = node.log()
+    assert 'interrupted while starting' in log, log[-2000:]
+    assert 'active:' not in log, log[-2000:]
+    assert 'Traceback' not in log, log[-2000:]
 
 
 @pytest.mark.parametrize('sigint_ignored', [False, True],

@@ -183,6 +183,26 @@ def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_co
     assert "got 'banana'" in errors[0]
 
 
+def test_a_node_that_cannot_start_says_why_before_any_warning(ros_context):
+    """Random weights not allowed (no checkpoint) and no position limits: the one line is the
+    refusal, not a warning about limits of a node that will not run first."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name='param_refusal_first',
+                      context=ros_context,
+                      parameter_overrides=[Parameter('autostart', value=False),
+                                           Parameter('allow_random_weights', value=False)])
+    try:
+        errors, warnings = [], []
+        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+    finally:
+        node.destroy_node()
+    assert capture.config is None
+    assert len(errors) == 1 and 'allow_random_weights' in errors[0], errors
+    assert not [w for w in warnings if 'joint_position_min' in w], warnings
+
+
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
     error = _refused(ros_context, 'quantize', False, 'param_bool_str')
     assert 'not a valid str' in error.expected and 'booleans' in error.expected
@@ -741,6 +761,25 @@ def test_a_start_only_parameter_set_at_run_time_is_refused_and_logged(ros_contex
         warnings.clear()        # a run-time one is not called read-only
         assert node.set_parameters([Parameter('max_image_age', value=0.7)])[0].successful
         assert not any('read-only' in w for w in warnings), warnings
+    finally:
+        node.destroy_node()
+
+
+def test_a_run_time_value_out_of_its_range_is_refused_and_logged(ros_context):
+    """rclpy refuses it ("Parameter max_image_age out of range ...") to the caller only; the
+    node's log said nothing (ninth fresh-user trial): it names the parameter and the range."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_range_set')
+    try:
+        warnings = []
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
+        before = node.get_parameter('max_image_age').value
+        assert not node.set_parameters([Parameter('max_image_age', value=-1.0)])[0].successful
+        assert any("refused run-time set: parameter 'max_image_age': -1.0 is out of range"
+                   in w and 'allowed: 0.0 to' in w for w in warnings), warnings
+        assert node.get_parameter('max_image_age').value == before
+        warnings.clear()        # a value in range: no line
+        assert node.set_parameters([Parameter('max_image_age', value=0.7)])[0].successful
+        assert not warnings, warnings
     finally:
         node.destroy_node()
 

@@ -192,6 +192,13 @@ def test_a_gripper_index_at_a_joint_not_named_like_a_gripper_is_warned_about():
                for level, line in notes)
 
 
+def test_robotiqs_knuckle_joint_is_taken_for_a_gripper():
+    """Robotiq 2F grippers' URDFs name the driven joint '..._left_knuckle_joint'."""
+    joints = ARM[:7] + ['robotiq_85_left_knuckle_joint']
+    notes = contract(joint_names=joints, gripper_index=7).notes(TINY)
+    assert [level for level, _ in notes] == ['INFO'], notes
+
+
 def test_a_gripper_index_at_a_gripper_joint_is_described_not_warned_about():
     notes = contract(joint_names=ARM, gripper_index=7, gripper_open=0.04,
                      gripper_closed=0.0).notes(TINY)

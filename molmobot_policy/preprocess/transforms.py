@@ -47,7 +47,8 @@ def _names(values: Sequence[str], what: str) -> tuple[str, ...]:
     return names
 
 
-GRIPPER_WORDS = ('grip', 'finger', 'hand', 'jaw', 'claw', 'effector')   # RobotContract.notes
+# what a gripper joint's name holds (RobotContract.notes); 'knuckle': Robotiq's 2F grippers
+GRIPPER_WORDS = ('grip', 'finger', 'hand', 'jaw', 'claw', 'effector', 'knuckle')
 
 
 @dataclass(frozen=True)

@@ -152,13 +152,15 @@ class CameraReceiver:
             self._slots = None
             raise
 
-    def wait_ready(self, timeout: float) -> bool:
+    def wait_ready(self, timeout: float, stop=None) -> bool:
         """Wait up to `timeout` s until the child has subscribed every camera (its
         interpreter, rclpy and the subscriptions take ~1 s, several on a busy machine); False
-        when it has not by then or has exited."""
+        when it has not by then, has exited, or `stop` (a threading.Event: a stop request) is
+        set."""
         deadline = time.monotonic() + timeout
         while self._ready is not None and not self._ready.wait(0.05):
-            if self.problem() or time.monotonic() > deadline:
+            if self.problem() or time.monotonic() > deadline or (stop is not None
+                                                                 and stop.is_set()):
                 return False
         return self._ready is not None
 

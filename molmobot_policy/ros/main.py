@@ -1,5 +1,6 @@
-"""Process entry of the policy node: the `policy_node` console script (setup.py) and
-`python -m molmobot_policy.ros.node` (or `.ros.main`).
+"""The policy node's process, run by its entry (`ros.entry`: the `policy_node` console script,
+setup.py, and `python -m molmobot_policy.ros.node`, which install the stop signals before
+this module's imports).
 
     python -m molmobot_policy.ros.node --ros-args --params-file config/policy_tiny.yaml
 
@@ -47,17 +48,17 @@ from rclpy.executors import (ConditionReachedException, ExternalShutdownExceptio
                              ShutdownException, SingleThreadedExecutor, TimeoutException)
 from rclpy.signals import SignalHandlerOptions
 
-from molmobot_policy.ros.node import NODE_NAME, PolicyNode
-from molmobot_policy.ros.report import print_log
+from molmobot_policy.ros.entry import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK,
+                                       INTERRUPTED_STARTING, NODE_NAME, StopSignals,
+                                       print_log)
+from molmobot_policy.ros.node import PolicyNode
 from molmobot_policy.timing.stats import freeze_for_exit
 
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval (CPython default 0.005 s): the longest a
                             # GIL-holding callback thread delays the worker's wake-up
-EXIT_OK, EXIT_FAILURE, EXIT_INTERRUPTED = 0, 1, 130
 PARENT_CHECK_S = 0.1        # ParentWatch's polling period
 SPIN_TIMEOUT_S = 0.1        # the spin loop's longest wait between stop-request checks: a
                             # Python signal handler runs only once rcl's wait returns
-INTERRUPTED_STARTING = 'interrupted while starting (configure / activate)'
 
 
 # what wait_for_ready_callbacks raises for "no callback to run"
@@ -90,75 +91,6 @@ class QuietExecutor(SingleThreadedExecutor):
         if exception is not None:
             raise exception
         handler.result()
-
-
-class StopSignals:
-    """Python's handler for SIGINT and SIGTERM while the node runs: the first sets `requested`
-    and raises nothing (the main thread stops at its next check, then shuts the context down
-    itself); a later SIGINT raises KeyboardInterrupt, as Python's default does, except one
-    within REPEAT_S of the first: that is the same stop request delivered twice (a
-    supervisor's SIGINT to the process group, then `ros2 launch` forwarding its own). A later
-    SIGTERM raises nothing (`ros2 launch` escalates with SIGKILL).
-
-    Installed from the main thread only (Python runs signal handlers there), over whatever
-    was set before, SIG_IGN included: a node started as a shell's background job (SIGINT
-    ignored) still stops when `ros2 launch` or a supervisor sends it SIGINT.
-    """
-
-    REPEAT_S = 1.0
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, clock=time.monotonic) -> None:
-        self.requested = threading.Event()
-        # called once, on a thread of its own, at the first request (e.g. the node's
-        # `request_stop`: the worker then sends nothing more); on the main thread it could
-        # wait on a lock the interrupted code holds
-        self.on_request = None
-        self.count = 0          # SIGINTs after the stop request, the same one repeated aside
-        self._previous: dict[int, object] = {}
-        self._clock, self._first = clock, None
-        self.name = NODE_NAME   # the logger name of its line: the node's, once it exists
-
-    def __call__(self, signum, frame) -> None:
-        if self.requested.is_set():
-            if self._clock() - self._first < self.REPEAT_S or signum != signal.SIGINT:
-                return      # the same request again, or SIGTERM again
-            self.count += 1
-            raise KeyboardInterrupt
-        name = signal.Signals(signum).name
-        again = (f' (Ctrl-C again, {self.REPEAT_S:.0f} s or more from now, to interrupt at '
-                 'once)' if signum == signal.SIGINT else '')
-        self.request(f'{name}: stopping after the current step{again}')
-
-    def request(self, line: str | None = None) -> None:
-        """The stop request itself (a signal's, or `ParentWatch`'s from its thread): sets
-        `requested`, runs `on_request` on a thread of its own and prints `line` (INFO)."""
-        if self.requested.is_set():
-            return
-        self._first = self._clock()
-        self.requested.set()
-        if self.on_request is not None:
-            threading.Thread(target=self.on_request, name='stop-request', daemon=True).start()
-        if line:
-            print_log(self.name, 'INFO', line)
-
-    @property
-    def forced(self) -> bool:
-        """True after a second SIGINT."""
-        return self.count > 0
-
-    def install(self) -> 'StopSignals':
-        """Before rclpy.init (which is then told to install no handler). Returns self."""
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self)
-        return self
-
-    def uninstall(self) -> None:
-        """Restore the handlers found at `install`."""
-        while self._previous:
-            signum, previous = self._previous.popitem()
-            signal.signal(signum, previous)
 
 
 def orphan_note(parent: int, environ) -> tuple[str, object]:
@@ -327,12 +259,19 @@ def wants_help(argv) -> bool:
     return '-h' in own or '--help' in own
 
 
-def main(args=None) -> int:
-    """Console entry point: run the node until Ctrl-C. Returns the exit status (see the
-    module docstring); prints USAGE for -h / --help. Once the node has started, the process
-    is meant to exit when this returns: the garbage collector is left stopped and the heap
-    frozen (`timing.stats.freeze_for_exit`)."""
+def main(args=None, stop: StopSignals | None = None) -> int:
+    """Run the node until Ctrl-C (`ros.entry.main`, the console entry point, calls it with
+    `stop` installed before this module's imports; else it installs its own). Returns the
+    exit status (see the module docstring); prints USAGE for -h / --help. Once the node has
+    started, the process is meant to exit when this returns: the garbage collector is left
+    stopped and the heap frozen (`timing.stats.freeze_for_exit`)."""
+    stop = stop if stop is not None else StopSignals().install()
+    if stop.requested.is_set():     # during the imports
+        print_log(NODE_NAME, 'INFO', INTERRUPTED_STARTING)
+        stop.uninstall()
+        return EXIT_OK
     if wants_help(sys.argv if args is None else args):
+        stop.uninstall()
         print(USAGE)
         return EXIT_OK
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -340,9 +279,9 @@ def main(args=None) -> int:
     nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN     # as nohup starts a process
     problem = ros_domain_id_problem(os.environ)
     if problem:
+        stop.uninstall()
         print_log(NODE_NAME, 'FATAL', problem)
         return EXIT_FAILURE
-    stop = StopSignals().install()
     try:    # no rclpy handler: it would shut the context down under the running node
         rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     except Exception as error:  # noqa: BLE001 - rclpy's RCLError, e.g. a params file that
@@ -436,4 +375,5 @@ def _serve(node: PolicyNode, stop: StopSignals) -> int:
 
 
 if __name__ == '__main__':
-    raise SystemExit(main())
+    from molmobot_policy.ros.entry import main as entry_main
+    raise SystemExit(entry_main())

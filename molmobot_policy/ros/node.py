@@ -18,12 +18,16 @@ A lifecycle node (rclpy.lifecycle) that wires plain pieces together:
   (`ros.messages`) and publishes it at the deadline; its events go to `ros.report`;
 - deactivate stops them; cleanup releases the engine.
 
-Process entry, exit status and signals: `ros.main` (which `python -m
-molmobot_policy.ros.node` runs).
+Process entry, exit status and signals: `ros.entry` (what `python -m
+molmobot_policy.ros.node` and the `policy_node` script run) and `ros.main`.
 """
 from __future__ import annotations
 
-import functools
+if __name__ == '__main__':  # the entry installs the stop signals before this module's imports
+    from molmobot_policy.ros.entry import main
+    raise SystemExit(main())
+
+import functools  # noqa: E402 (and the imports below: after the process entry above)
 import math
 import threading
 import time
@@ -40,13 +44,14 @@ from molmobot_policy.ros import graph, messages
 from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver, shm_free
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
+from molmobot_policy.ros.entry import NODE_NAME
 from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parameter_files
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             PARAMETERS, as_written, bucket_lengths,
                                             camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
                                             chunk_stitcher, declare_parameters,
-                                            motion_limiter, threshold_problem,
+                                            motion_limiter, out_of_range, threshold_problem,
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
                                             widen_integers)
@@ -60,7 +65,6 @@ from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, QuietW
 from molmobot_policy.timing.chunking import chunk_gap
 from molmobot_policy.timing.reports import STATS_WINDOW
 
-NODE_NAME = 'molmobot_policy'
 RECEIVER_RESTART_S = 2.0    # the shortest time between two restarts of the camera receiver
 RECEIVER_READY_S = 15.0     # activate waits this long for the receiver child to subscribe
 NO_POSITION_LIMITS = ('joint_position_min and joint_position_max are empty: no joint position '
@@ -89,7 +93,7 @@ class PolicyNode(LifecycleNode):
                  stop_requested: threading.Event | None = None, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         self._created = time.monotonic()    # the same-name check waits for discovery from it
-        # set by `ros.main.StopSignals` on SIGINT / SIGTERM: configure stops at its next step
+        # set by `ros.entry.StopSignals` on SIGINT / SIGTERM: configure stops at its next step
         self.stop_requested = stop_requested or threading.Event()
         self._engine_factory = engine_factory or default_engine_factory
         self._argv = list(argv or []) + list(kwargs.get('cli_args') or [])
@@ -151,14 +155,15 @@ class PolicyNode(LifecycleNode):
 
     def _before_set_parameters(self, parameters) -> list:
         """rclpy's pre-set callback: an integer for a float parameter taken as that float;
-        a value of another wrong type, or an unknown name, logged with what was expected
-        (rclpy refuses both)."""
+        a value of another wrong type or out of its range, an unknown name or a read-only
+        parameter logged with what was expected (rclpy refuses each, saying so only to the
+        caller)."""
         parameters = widen_integers(parameters)
         read_only = [f"'{p.name}' is read-only (set it in the parameter file; it takes effect "
                      'at the next start)' for p in parameters
                      if self.has_parameter(p.name) and self.describe_parameter(p.name).read_only]
-        for problem in (type_mismatches(parameters) + undeclared(parameters, self.has_parameter)
-                        + read_only):
+        for problem in (type_mismatches(parameters) + out_of_range(parameters)
+                        + undeclared(parameters, self.has_parameter) + read_only):
             self.get_logger().warning(f'refused run-time set: {problem}')
         return parameters
 
@@ -272,14 +277,6 @@ class PolicyNode(LifecycleNode):
             self._check_graph()
             chunk_stitcher(self._param)     # raises ValueError on a bad smoothing / max_step
             limiter = motion_limiter(self._param)     # ... on bad motion limits
-            if limiter.position_min is None and limiter.position_max is None:
-                self.get_logger().warning(NO_POSITION_LIMITS)
-            unlimited = unlimited_velocity_joints(self._param, limiter)
-            if unlimited:
-                self.get_logger().warning(
-                    f'max_joint_velocity is infinite for action joints {unlimited}: their '
-                    'points are not velocity-limited, the first one not against the measured '
-                    'state either (a chunk may start with a jump); set the arm\'s limits')
             # before the (possibly long) weight load: the checkpoint's config.yaml only
             contract = check_robot_contract(
                 read_model_config(engine_config), cameras, list(self._param('joint_names')),
@@ -288,6 +285,15 @@ class PolicyNode(LifecycleNode):
             self.served = served_weights(engine_config, self._param('allow_random_weights'))
             from molmobot_policy.runtime.devices import describe_device  # torch, at configure
             device = describe_device(engine_config['device'])   # ValueError: cannot serve there
+            # warnings after the refusals above: a node that cannot start names why first
+            if limiter.position_min is None and limiter.position_max is None:
+                self.get_logger().warning(NO_POSITION_LIMITS)
+            unlimited = unlimited_velocity_joints(self._param, limiter)
+            if unlimited:
+                self.get_logger().warning(
+                    f'max_joint_velocity is infinite for action joints {unlimited}: their '
+                    'points are not velocity-limited, the first one not against the measured '
+                    'state either (a chunk may start with a jump); set the arm\'s limits')
             self._configuring(f'building engine (loading {self.served}, device {device}, '
                               f'{len(cameras)} cameras)')
             self.engine = self._engine_factory({**engine_config, 'contract': contract})
@@ -345,7 +351,7 @@ class PolicyNode(LifecycleNode):
             self.get_logger().info(f'serving {self.served}')
 
     def request_stop(self) -> None:
-        """A stop request (`ros.main.StopSignals`, from a thread of its own): configure and
+        """A stop request (`ros.entry.StopSignals`, from a thread of its own): configure and
         activate stop at their next step, and the worker sends no chunk after this (one
         being built is dropped); the main thread then destroys the node."""
         self.stop_requested.set()
@@ -355,8 +361,9 @@ class PolicyNode(LifecycleNode):
 
     def _check_not_shut_down(self) -> None:
         """Raises KeyboardInterrupt once a stop was requested (SIGINT, SIGTERM: the signal
-        itself raises none, `ros.main.StopSignals`) or the context was shut down: configure
-        stops between its steps and warm-up buckets, not after compiling every bucket."""
+        itself raises none, `ros.entry.StopSignals`) or the context was shut down: configure
+        stops between its steps and warm-up buckets, not after compiling every bucket, and
+        activate before the worker starts (never logging 'active' after a stop request)."""
         if self.stop_requested.is_set():
             raise KeyboardInterrupt('a stop was requested while configuring')
         if not self.context.ok():
@@ -390,6 +397,9 @@ class PolicyNode(LifecycleNode):
         self._check_not_shut_down()     # a stop requested after configure: no worker
         try:
             self._activate()
+        except KeyboardInterrupt:   # a stop requested while activating: nothing left running
+            self._release_active()
+            raise
         except Exception as error:  # noqa: BLE001 - never a silent failure, nothing half-built
             self.get_logger().error(f'activate failed: {error!r}')
             try:
@@ -470,7 +480,9 @@ class PolicyNode(LifecycleNode):
             self._receiver.start()
             # the first ticks would otherwise find no frame ('has no image yet') while the
             # child starts: seconds on a busy machine
-            if self._receiver.wait_ready(RECEIVER_READY_S):
+            ready = self._receiver.wait_ready(RECEIVER_READY_S, stop=self.stop_requested)
+            self._check_not_shut_down()     # a stop requested meanwhile: not active
+            if ready:
                 self.get_logger().info(f'cameras received by process {self._receiver.pid} '
                                        f'(node {self._receiver.node_name}, shared memory '
                                        f'{self._receiver.segment})')
@@ -479,6 +491,7 @@ class PolicyNode(LifecycleNode):
                     f'camera receiver process {self._receiver.pid} has not subscribed the '
                     f'cameras within {RECEIVER_READY_S:.0f} s '
                     f'({self._receiver.problem() or "still starting"}): ticks skip until it has')
+        self._check_not_shut_down()     # a stop requested while activating: not active
         self.loop.start()
         if self.stop_requested.is_set():    # requested while this loop was being built
             self.loop.request_stop()
@@ -697,8 +710,3 @@ class PolicyNode(LifecycleNode):
             if array is not None:
                 self._array_pub.publish(array)
         return send
-
-
-if __name__ == '__main__':
-    from molmobot_policy.ros.main import main
-    raise SystemExit(main())

@@ -355,6 +355,31 @@ def type_mismatches(parameters: list) -> list[str]:
     return problems
 
 
+def out_of_range(parameters: list) -> list[str]:
+    """For a run-time set (after `widen_integers`): one message per number of its declared
+    type outside its parameter's declared range, e.g. "parameter 'max_image_age': -1.0 is
+    out of range (...; allowed: 0.0 to 3600.0)", the way a parameter file's is reported
+    (rclpy then refuses the set, and no line of the node's log would say so). Values of
+    another type (`type_mismatches`) and unknown names give none.
+    parameters: list of rclpy.parameter.Parameter."""
+    problems = []
+    for parameter in parameters:
+        declared = PARAMETERS.get(parameter.name)
+        if declared is None:
+            continue
+        descriptor = declared[1]
+        ranges = list(descriptor.floating_point_range) or list(descriptor.integer_range)
+        value = parameter.value
+        if (not ranges or parameter.type_.value != descriptor.type
+                or parameter.type_ not in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER)):
+            continue
+        if not ranges[0].from_value <= value <= ranges[0].to_value:
+            problems.append(str(ParameterError(
+                parameter.name, value,
+                f'is out of range ({descriptor.description}; {_range_text(descriptor)})')))
+    return problems
+
+
 def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:
     """'is not a valid <type> (<description>; <constraints, hints, range>' for `value`."""
     text = f'is not a valid {type(default).__name__} ({descriptor.description}'

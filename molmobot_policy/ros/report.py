@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from molmobot_policy.ros import messages
+from molmobot_policy.ros.entry import print_log
 from molmobot_policy.ros.diagnostics import diagnostic_name
 from molmobot_policy.ros.synchronizer import NOT_YET
 from molmobot_policy.timing import LoopEvents
@@ -196,17 +197,3 @@ class LoopReport(LoopEvents):
         """The action_joint_names of `indices` (an index where the list is shorter)."""
         names = list(self._node.get_parameter('action_joint_names').value)
         return [names[j] if j < len(names) else j for j in indices]
-
-
-def print_log(name: str, severity: str, message: str) -> None:
-    """A log line in the ROS console format, printed to stderr: for when no ROS logger can
-    take it (before rclpy starts, or after Ctrl-C shut the context and /rosout down).
-
-    Never raises: a stderr that cannot be written (the pty of a `ros2 launch` that exited,
-    emulate_tty: OSError EIO; a closed stream: ValueError) loses the line, and the caller,
-    often on its way to stopping the node, goes on."""
-    try:
-        print(f'[{severity}] [{time.time():.9f}] [{name}]: {message}', file=sys.stderr,
-              flush=True)
-    except (OSError, ValueError):
-        pass
