@@ -34,10 +34,10 @@ def print_log(name: str, severity: str, message: str) -> None:
 
 
 class StopSignals:
-    """Python's handler for SIGINT and SIGTERM while the node runs: the first sets `requested`
-    and raises nothing (the main thread stops at its next check, then shuts the context down
-    itself); a later SIGINT raises KeyboardInterrupt, as Python's default does, except one
-    within REPEAT_S of the first: that is the same stop request delivered twice (a
+    """Python's handler for SIGINT and SIGTERM from the process entry on: the first sets
+    `requested` and raises nothing (the main thread stops at its next check, then shuts the
+    context down itself); a later SIGINT raises KeyboardInterrupt, as Python's default does,
+    except one within REPEAT_S of the first: that is the same stop request delivered twice (a
     supervisor's SIGINT to the process group, then `ros2 launch` forwarding its own). A later
     SIGTERM raises nothing (`ros2 launch` escalates with SIGKILL).
 
