@@ -406,6 +406,21 @@ def test_the_first_sigint_requests_the_stop_and_the_second_interrupts():
     assert handler.forced
 
 
+def test_a_second_sigint_says_it_interrupts_at_once(capsys):
+    """The exit status 130 came with no line saying why (second trial of 2026-12-07)."""
+    import signal
+
+    from molmobot_policy.ros.entry import StopSignals
+
+    clock = [100.0]
+    handler = StopSignals(clock=lambda: clock[0])
+    handler(signal.SIGINT, None)
+    clock[0] += 1.5
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    assert 'SIGINT again: interrupting at once (exit status 130)' in capsys.readouterr().err
+
+
 def test_a_second_sigint_right_after_the_first_is_the_same_stop_request():
     """A process-group SIGINT and `ros2 launch` forwarding its own arrive within ms: no
     KeyboardInterrupt inside the shutdown (it aborted the process 2 of 9 times)."""
@@ -780,6 +795,23 @@ def test_a_run_time_value_out_of_its_range_is_refused_and_logged(ros_context):
         warnings.clear()        # a value in range: no line
         assert node.set_parameters([Parameter('max_image_age', value=0.7)])[0].successful
         assert not warnings, warnings
+    finally:
+        node.destroy_node()
+
+
+def test_a_misspelled_engine_option_set_at_run_time_is_refused_and_logged(ros_context):
+    """Unconfigured, 'quantize' may be set; 'fp9' was taken and refused only at the next
+    configure (second trial of 2026-12-07)."""
+    node = _node(ros_context, [Parameter('autostart', value=False)], 'param_choice_set')
+    try:
+        warnings = []
+        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
+        result = node.set_parameters([Parameter('quantize', value='fp9')])[0]
+        assert not result.successful and 'quantize must be one of' in result.reason
+        assert any("refused run-time set: quantize must be one of" in w and "'fp9'" in w
+                   for w in warnings), warnings
+        assert node.get_parameter('quantize').value == 'none'
+        assert node.set_parameters([Parameter('quantize', value='fp8')])[0].successful
     finally:
         node.destroy_node()
 

@@ -119,3 +119,48 @@ def test_packaged_policy_files_apply_with_and_without_a_namespace(name, node):
     repo = Path(__file__).resolve().parents[1]
     argv = ['--ros-args', '--params-file', str(repo / 'config' / name)]
     assert unmatched_parameter_files(argv, node) == []
+
+
+def _given_by_rclpy(argv: list[str]) -> dict:
+    """What rclpy gives a node 'molmobot_policy' for `argv` (its parameter overrides)."""
+    rclpy = pytest.importorskip('rclpy')
+    from rclpy.context import Context
+    context = Context()
+    rclpy.init(args=argv, context=context)
+    try:
+        node = rclpy.create_node('molmobot_policy', context=context)
+        try:
+            return {name: p.value for name, p in node._parameter_overrides.items()}
+        finally:
+            node.destroy_node()
+    finally:
+        rclpy.shutdown(context=context)
+
+
+@pytest.mark.parametrize('override, dropped', [
+    ('max_image_age:=abc', True),           # rcl keeps the file's 0.5: a str for a float
+    ('max_image_age:=[1.0]', True),         # a list
+    ('molmobot_policy:max_image_age:=abc', False),     # its own section: 'abc' arrives,
+                                                    # and the declaration refuses it
+    ('max_image_age:=0.7', False),          # the same type: taken
+    ('other_node:max_image_age:=abc', False),      # not for this node
+])
+def test_a_p_override_rcl_drops_for_the_files_value_is_named(tmp_path, override, dropped):
+    """rcl (rclpy 9.1 / Kilted) keeps a '/**' file section's value when a later -p of the
+    same parameter has another type, and says nothing (second trial of 2026-12-07: a
+    safety limit's override silently ignored)."""
+    from molmobot_policy.ros.param_files import dropped_overrides
+    path = tmp_path / 'p.yaml'
+    path.write_text('/**:\n  ros__parameters:\n    max_image_age: 0.5\n')
+    argv = ['x', '--ros-args', '--params-file', str(path), '-p', override]
+    problems = dropped_overrides(argv, 'molmobot_policy', _given_by_rclpy(argv))
+    assert bool(problems) == dropped, problems
+    if dropped:
+        assert f'-p {override} did not take effect' in problems[0] and '0.5' in problems[0]
+
+
+def test_a_p_override_before_a_file_is_left_to_the_file():
+    """ROS documents that the later argument wins: a file after the -p overrides it."""
+    from molmobot_policy.ros.param_files import dropped_overrides
+    argv = ['x', '--ros-args', '-p', 'max_image_age:=abc', '--params-file', 'f.yaml']
+    assert dropped_overrides(argv, 'molmobot_policy', {'max_image_age': 0.5}) == []

@@ -65,6 +65,8 @@ class StopSignals:
             if self._clock() - self._first < self.REPEAT_S or signum != signal.SIGINT:
                 return      # the same request again, or SIGTERM again
             self.count += 1
+            print_log(self.name, 'WARN', 'SIGINT again: interrupting at once (exit status '
+                                         f'{EXIT_INTERRUPTED})')
             raise KeyboardInterrupt
         name = signal.Signals(signum).name
         again = (f' (Ctrl-C again, {self.REPEAT_S:.0f} s or more from now, to interrupt at '

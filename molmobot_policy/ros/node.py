@@ -45,12 +45,13 @@ from molmobot_policy.ros.camera_receiver import CameraReceiver, choose_receiver,
 from molmobot_policy.ros.diagnostics import (ERROR, WARN, IdleStatus, Updater,
                                              policy_updater)
 from molmobot_policy.ros.entry import NODE_NAME
-from molmobot_policy.ros.param_files import near_miss_sections, unmatched_parameter_files
+from molmobot_policy.ros.param_files import (dropped_overrides, near_miss_sections,
+                                             unmatched_parameter_files)
 from molmobot_policy.ros.parameters import (CONTRACT_PARAMETERS, ENGINE_PARAMETERS,
                                             PARAMETERS, as_written, bucket_lengths,
                                             camera_subscriptions,
                                             check_parameter_values, check_unknown_parameters,
-                                            chunk_stitcher, declare_parameters,
+                                            chunk_stitcher, declare_parameters, given_parameters,
                                             motion_limiter, out_of_range, threshold_problem,
                                             type_mismatches, unanchored_action_joints,
                                             undeclared, unlimited_velocity_joints,
@@ -126,6 +127,11 @@ class PolicyNode(LifecycleNode):
         self._idle = IdleStatus(self, self._param)      # while not active
         try:
             declare_parameters(self)
+            dropped = dropped_overrides(self._argv, self.get_name(),
+                                        {name: p.value for name, p in
+                                         given_parameters(self).items()})
+            if dropped:
+                raise ValueError('; '.join(dropped))
         except BaseException:   # a value rclpy or our checks refused
             self._destroy_rcl_node()
             raise
@@ -177,6 +183,19 @@ class PolicyNode(LifecycleNode):
         return (f"'{name}' is read at configure: deactivate and clean up the node, set it, then "
                 'configure and activate again (or set it in the parameter file and restart)')
 
+    @staticmethod
+    def _not_a_choice(name: str, value) -> str:
+        """Why `value` is refused for an engine option of a fixed set of values (`quantize`,
+        `fused_action_expert`, ...: `runtime.config.CHOICES`), or ''."""
+        from molmobot_policy.runtime.config import CHOICES, check_choices
+        if name not in CHOICES:
+            return ''
+        try:
+            check_choices(**{name: value})
+        except ValueError as error:
+            return str(error)
+        return ''
+
     def _validate_parameters(self, parameters) -> SetParametersResult:
         """rclpy's on-set callback, after it checked each value's type, range and read-only
         flag: refuses an instruction the engine cannot serve, else logs every change (old ->
@@ -190,7 +209,7 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning(f'refused run-time set: {reason}')
             return SetParametersResult(successful=False, reason=reason)
         for p in parameters:
-            reason = self._not_settable(p.name)
+            reason = self._not_settable(p.name) or self._not_a_choice(p.name, p.value)
             if reason:
                 self.get_logger().warning(f'refused run-time set: {reason}')
                 return SetParametersResult(successful=False, reason=reason)

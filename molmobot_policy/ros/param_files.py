@@ -113,3 +113,64 @@ def near_miss_sections(argv: list[str], node_fqn: str) -> list[str]:
                             f"node '{node_fqn}' (did you mean '{node_name}'?): its parameters "
                             f'{held} are NOT applied')
     return warnings
+
+
+def _ros_arguments(argv: list[str]) -> list[str]:
+    """The arguments inside `--ros-args` sections of `argv` (each up to `--` or the end)."""
+    out, inside = [], False
+    for arg in argv:
+        if arg == '--ros-args':
+            inside = True
+        elif arg == '--':
+            inside = False
+        elif inside:
+            out.append(arg)
+    return out
+
+
+def dropped_overrides(argv: list[str], node_name: str, given: dict) -> list[str]:
+    """One error message per `-p [node:]name:=value` for this node in `argv` (ROS arguments)
+    that did not take effect although no `--params-file` follows it: rcl keeps the value of
+    an earlier parameter file's section for the same nodes (e.g. '/**') when the `-p` value
+    has another type (its value then holds both, and rclpy reads the file's), without a
+    word: `--params-file f.yaml -p max_image_age:=abc` runs on f.yaml's 0.5 and never says
+    that 'abc' is no float. A `-p` before a `--params-file` is left alone (the later file
+    overrides it, as ROS documents).
+
+    node_name: the node's name (a `-p other_node:name:=value` is not for it). given: {name:
+    the value the node was given (rclpy's parameter overrides)}; names not in it are left to
+    the unknown-parameter check. Values are parsed as YAML, as rcl parses them.
+    """
+    args = _ros_arguments(argv)
+    last_file = max((i for i, a in enumerate(args) if a == '--params-file'), default=-1)
+    latest = {}
+    for i, arg in enumerate(args[:-1]):
+        if arg not in ('-p', '--param') or i < last_file:
+            continue
+        target, sep, text = args[i + 1].partition(':=')
+        if not sep:
+            continue
+        node, _, name = target.rpartition(':')
+        if node and node.strip('/').split('/')[-1] != node_name:
+            continue
+        latest[name] = text
+    problems = []
+    for name, text in latest.items():
+        if name not in given:
+            continue
+        try:
+            wanted = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue        # rcl refuses it itself
+        value = given[name]
+        got = list(value) if not isinstance(value, (str, bytes)) and hasattr(value, '__len__') \
+            else value
+        wanted_cmp = list(wanted) if isinstance(wanted, (list, tuple)) else wanted
+        if type(got) is not type(wanted_cmp) or got != wanted_cmp:
+            problems.append(
+                f"-p {name}:={text} did not take effect: the node was given {got!r} from a "
+                f"parameter file instead (rcl keeps a file's value when a later -p gives one "
+                f"of another type, here {type(wanted).__name__} for "
+                f"{type(got).__name__}); give -p {name} a {type(got).__name__} value, or set "
+                'it in the file')
+    return problems

@@ -124,16 +124,18 @@ def _layout_text(msg) -> str:
 
 
 def _names_hint(wanted: Sequence[str], seen: tuple[str, ...] | None,
-                lead: str = 'its latest message names') -> str:
+                lead: str = 'its latest message names', configured=frozenset()) -> str:
     """' (<lead> [...]; did you mean ...?)' for joints `wanted` that a joint-state message
-    naming `seen` lacks; '' when no message was seen."""
+    naming `seen` lacks; '' when no message was seen. A name of `configured` (the joints
+    already in joint_names / action_joint_names) is never suggested: renaming to it would
+    map two joints to one."""
     if seen is None:
         return ''
     shown = list(seen[:12]) + (['...'] if len(seen) > 12 else [])
 
     def plain(name: str) -> str:     # 'Jaco_Joint_1' ~ 'jaco_joint1': case and separators
         return ''.join(c for c in name.lower() if c.isalnum())
-    by_plain = {plain(n): n for n in seen}
+    by_plain = {plain(n): n for n in seen if n not in configured}
     close = []
     for name in wanted:
         match = difflib.get_close_matches(plain(name), list(by_plain), n=1, cutoff=0.6)
@@ -651,7 +653,8 @@ class ObservationSynchronizer:
             with self._lock:
                 problem = (self._refused.get(self.joint_state_topic)
                            or self._problems.get(self.joint_state_topic, ''))
-            what = (f'lacks joints {missing}' + _names_hint(missing, names_seen)
+            what = (f'lacks joints {missing}'
+                    + _names_hint(missing, names_seen, configured=self._kept_joints)
                     if any_joint or (names_seen is not None and not problem)
                     else f'has no usable position for joints {missing}' if problem
                     else 'has no message yet' + self._input_hint(self.joint_state_topic))
@@ -663,7 +666,8 @@ class ObservationSynchronizer:
             hint = _clock_went_back(dropped_older, oldest, now, max_state_age, 'messages')
             if not hint and names_seen is not None and not set(stale) & set(names_seen):
                 hint = _names_hint(stale, names_seen,
-                                   'its latest message names none of them, only')
+                                   'its latest message names none of them, only',
+                                   configured=self._kept_joints)
             reasons.append(f'joint state {self.joint_state_topic} is stale for '
                            + self._stale_text(stale, now, max_state_age)
                            + (f' ({why})' if why else '') + hint)
