@@ -149,3 +149,19 @@ def test_robot_md_explains_every_chunk_info_key():
     keys = [v for k, v in vars(ChunkInfo).items() if k.isupper() and isinstance(v, str)]
     missing = [key for key in keys if f'`{key}`' not in section]
     assert keys and not missing, f'ROBOT.md "What each chunk reports" lacks {missing}'
+
+
+def test_the_model_parameter_describes_each_preset_as_it_is():
+    """The `model` description gives each preset's cameras, state / action size and horizon
+    (second trial of 2026-12-07: the tiny preset's were written nowhere)."""
+    from molmobot_policy.model.config import PRESETS, MolmoBotConfig
+    from molmobot_policy.ros.parameters import PARAMETERS
+    text = PARAMETERS['model'][1].description
+    for name in PRESETS:
+        c = MolmoBotConfig.from_name(name)
+        match = re.search(re.escape(name) + r' \((?:[^;)]*; )?(?:up to )?(\d+) cameras?, '
+                          r'(?:state and actions )?(\d+)-D, (?:horizon )?(\d+)\)', text)
+        assert match, (name, text)
+        assert tuple(int(g) for g in match.groups()) == (c.max_images, c.action_dim,
+                                                        c.action_horizon), (name, text)
+        assert c.state_dim == c.action_dim, name      # the text gives one size for both

@@ -159,7 +159,10 @@ PARAMETERS = {
         _DA, dynamic=True)),
     'joint_position_max': ([], descriptor(
         'per action joint upper position limit, as joint_position_min', _DA, dynamic=True)),
-    'model': ('tiny', descriptor('model preset, used when checkpoint_path is empty', _S)),
+    'model': ('tiny', descriptor(
+        'model preset, used when checkpoint_path is empty: tiny (the test model; up to 8 '
+        'cameras, state and actions 8-D, horizon 16), molmobot-droid (2 cameras, 8-D, 16), '
+        'molmobot-4b-8cam (the full size; 8 cameras, 14-D, 16)', _S)),
     'checkpoint_path': ('', descriptor(
         'upstream checkpoint directory (config.yaml + model.pt or *.safetensors) or weight '
         'file; empty: random weights of the preset `model`, only with allow_random_weights',
