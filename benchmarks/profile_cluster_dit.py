@@ -28,11 +28,15 @@ import common
 from benchmark_fused_dit import build
 from molmobot_policy.runtime import cluster_dit
 
-PHASES = ['LN1 broadcast', 'q|k|v wait', 'q|k|v GEMM', 'peers\' q|k|v wait', 'self-attention',
-          'self proj', 'copies issued 1', 'exchange 1 (poll) + residual 1', 'LN2 broadcast',
-          'cross q + peers\' wait', 'K wait', 'scores + softmax', 'V wait', 'P V',
+# a GEMM's warps (and the scores') wait for their own ring slots inside the phase since
+# 2026-12-07; the phases that were those waits before stay, empty, so the trace keeps its points
+PHASES = ['LN1 broadcast', '(q|k|v slots: in the GEMM)', 'q|k|v GEMM + its slots',
+          'peers\' q|k|v wait', 'self-attention', 'self proj', 'copies issued 1',
+          'exchange 1 (poll) + residual 1', 'LN2 broadcast', 'cross q + peers\' wait',
+          '(K slots: in the scores)', 'scores + softmax + K slots', 'V wait', 'P V',
           'partials wait (combine barrier)', 'combine + o_h wait', 'cross proj', 'copies issued 2',
-          'exchange 2 (poll) + residual 2 + LN3', 'fc1 wait', 'fc1 + peers\' wait', 'fc2',
+          'exchange 2 (poll) + residual 2 + LN3', '(fc1 slots: in the GEMM)',
+          'fc1 + its slots + peers\' wait', 'fc2',
           'copies issued 3 + exchange 3 (poll) + residual 3']
 MODES = {0: 'as served', 1: 'no streaming', 2: 'exchanges do not wait', 3: 'neither',
          4: 'copies issued empty'}

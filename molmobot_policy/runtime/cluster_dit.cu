@@ -371,7 +371,8 @@ __device__ __forceinline__ void load_ops(const Params &p, int b, int h, int r, i
 
 // y = A (MR x KS*16, shared, row stride lda; BLK: the LayerNorm input's blocks) @ W^T over NT n-tiles of 8 (ntv of them valid),
 // W's B fragments packed (n-tile, k-step, lane, 4 halves) in the ring from item it0 on (an
-// n-tile never straddles two slots). Warps: NSPLIT groups of n-tiles x (8 / NSPLIT) K ranges;
+// n-tile never straddles two slots; each warp waits for the slots of its own n-tiles only, so
+// it starts as they land, not once the GEMM's last slot has). Warps: NSPLIT groups of n-tiles x (8 / NSPLIT) K ranges;
 // partials summed in fixed order; then epi(row, col, v0, v1) for column pairs of the valid
 // n-tiles. The slots may be reused once it returns.
 template <int NT, int KS, int NSPLIT, bool BLK = false, class Epi>
@@ -393,6 +394,11 @@ __device__ __forceinline__ void gemm(const bf16 *A, int lda, const Ring &ring, i
     float c[NTW][4];
 #pragma unroll
     for (int j = 0; j < NTW; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {     // the ring slots of this warp's n-tiles (not the others')
+        const int jj = ng * NTW + j;
+        if (jj < ntv) ring.wait(it0 + (jj * NTB) / SLOT);
+    }
 #pragma unroll 4
     for (int s = kg * KSW; s < (kg + 1) * KSW; ++s) {
         uint32_t a[4];
@@ -702,7 +708,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         // ---- self-attention
         ln_broadcast(xs, opb + OP_SC1 / 2, xab, mrs, r, p.eps, lnbar, (3 * b) & 1);
         STAMP(1);
-        for (int i = 0; i < ntv; ++i) ring.wait(it0 + i);
         STAMP(2);
         gemm<6, D / 16, 2, true>(xa, LDB, ring, it0, ntv, red,
             [&](int row, int col, float a0, float a1) {
@@ -771,8 +776,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         }
         STAMP(5);
         float *part0 = p.part + (size_t)h * MR * D + r * CW;
-        ring.wait(it0 + 5);
-        ring.wait(it0 + 6);
         gemm<12, HD / 16, 4>(oh, LDH, ring, it0 + 5, 12, red,
             store_partial(part0, par));
         STAMP(6);
@@ -785,7 +788,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         // ---- cross-attention
         ln_broadcast(xs, opb + OP_SC2 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 1) & 1);
         STAMP(9);
-        for (int i = 0; i < ntv2; ++i) ring.wait(it0 + 7 + i);
         gemm<2, D / 16, 1, true>(xa, LDB, ring, it0 + 7, ntv2, red,
             [&](int row, int col, float a0, float a1) {
                 const int w = (q0 + col / 8) * 8 + col % 8;
@@ -800,7 +802,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(10);
         {   // this CTA's keys [g0 16, (g0 + gr) 16): scores, row max / sum, P V (unnormalized)
             const int itk = it0 + 9, itv = it0 + 9 + nkv;
-            for (int i = 0; i < nkv; ++i) ring.wait(itk + i);
             STAMP(11);
             uint32_t qa[HD / 16][4];
 #pragma unroll
@@ -813,6 +814,7 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
                 const int j = warp + WARPS * q;
                 c[q][0] = c[q][1] = c[q][2] = c[q][3] = -INFINITY;
                 if (j < 2 * gr) {
+                    ring.wait(itk + j / 8);
                     const unsigned char *kb = ring.ptr(itk + j / 8) + (j % 8) * (HD / 16) * 256
                                               + lane * 8;
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -952,8 +954,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         STAMP(16);
         const int itw = it0 + 9 + 2 * nkv;                      // wo2, w1, w2 from here
         float *part1 = p.part + (size_t)(H + h) * MR * D + r * CW;
-        ring.wait(itw);
-        ring.wait(itw + 1);
         gemm<12, HD / 16, 4>(oh, LDH, ring, itw, 12, red,
             store_partial(part1, par));
         STAMP(17);
@@ -963,7 +963,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         // ---- MLP
         ln_broadcast(xs, opb + OP_SC3 / 2, xab, mrs, r, p.eps, lnbar, (3 * b + 2) & 1);
         STAMP(19);
-        for (int i = 0; i < 6; ++i) ring.wait(itw + 2 + i);
         STAMP(20);
         gemm<6, D / 16, 2, true>(xa, LDB, ring, itw + 2, 6, red,
             [&](int row, int col, float a0, float a1) {
@@ -977,7 +976,6 @@ __global__ void __launch_bounds__(THREADS, 1) dit_step_kernel(const Params p) {
         await_broadcast(ahbar, broadcast_tx(FH / 8, FW / 8), b & 1);
         STAMP(21);
         float *part2 = p.part + (size_t)(2 * H + h) * MR * D + r * CW;
-        for (int i = 0; i < 6; ++i) ring.wait(itw + 8 + i);
         gemm<12, FH / 16, 4>(ah, LDA, ring, itw + 8, 12, red,
             store_partial(part2, par));
         STAMP(22);

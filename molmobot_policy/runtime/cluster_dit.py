@@ -36,7 +36,8 @@ for every CTA of the cluster to arrive:
   cached cross-attention K/V (repacked once per query by one kernel of the library that
   reads each 16-key tile once, `pack_context`) stream into a ring of
   11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
-  their use: weights never depend on activations. Each block's small epilogue operands
+  their use: weights never depend on activations. Each warp of a GEMM (and of the scores)
+  waits for the slots of its own n-tiles only, and starts as they land. Each block's small epilogue operands
   (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
 
 - a whole Euler step (`ClusterDiTStep.flow_step`, what `ServedActionExpert.flow` serves): the
