@@ -159,26 +159,34 @@ def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected
     assert config['fused_action_expert'] == expected
 
 
+def _configure_logged(context, name: str, overrides: list) -> tuple[dict | None, dict]:
+    """Configure a PolicyNode (autostart off, `overrides` beside) whose engine factory records
+    its engine config and fails; returns (that config or None, {'error' / 'warning' / 'info':
+    the lines logged at that level})."""
+    capture = _Capture()
+    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
+                      parameter_overrides=[Parameter('autostart', value=False), *overrides])
+    lines = {'error': [], 'warning': [], 'info': []}
+    try:
+        for level, logged in lines.items():
+            setattr(node.get_logger(), level, lambda msg, logged=logged, **kw: logged.append(msg))
+        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
+    finally:
+        node.destroy_node()
+    return capture.config, lines
+
+
 @pytest.mark.parametrize('name', ['fused_action_expert', 'llm_attention', 'quantize', 'dtype',
                                   'tokenizer', 'overlong'])
 def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_context, name):
     """The value domains need no device: the node refuses 'banana' before it logs that it
     builds an engine (which would say RANDOM WEIGHTS are loading) or calls the factory."""
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=f'param_banana_{name}',
-                      context=ros_context,
-                      parameter_overrides=[Parameter('autostart', value=False),
-                                           Parameter('allow_random_weights', value=True),
-                                           Parameter(name, value='banana')])
-    try:
-        errors, infos = [], []
-        node.get_logger().error = lambda msg, **kw: errors.append(msg)
-        node.get_logger().info = lambda msg, **kw: infos.append(msg)
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-    finally:
-        node.destroy_node()
-    assert capture.config is None
-    assert not [line for line in infos if 'building engine' in line], infos
+    config, lines = _configure_logged(
+        ros_context, f'param_banana_{name}',
+        [Parameter('allow_random_weights', value=True), Parameter(name, value='banana')])
+    assert config is None
+    assert not [line for line in lines['info'] if 'building engine' in line], lines['info']
+    errors = lines['error']
     assert len(errors) == 1 and f"{name} must be one of" in errors[0], errors
     assert "got 'banana'" in errors[0]
 
@@ -186,21 +194,11 @@ def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_co
 def test_a_node_that_cannot_start_says_why_before_any_warning(ros_context):
     """Random weights not allowed (no checkpoint) and no position limits: the one line is the
     refusal, not a warning about limits of a node that will not run first."""
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name='param_refusal_first',
-                      context=ros_context,
-                      parameter_overrides=[Parameter('autostart', value=False),
-                                           Parameter('allow_random_weights', value=False)])
-    try:
-        errors, warnings = [], []
-        node.get_logger().error = lambda msg, **kw: errors.append(msg)
-        node.get_logger().warning = lambda msg, **kw: warnings.append(msg)
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-    finally:
-        node.destroy_node()
-    assert capture.config is None
-    assert len(errors) == 1 and 'allow_random_weights' in errors[0], errors
-    assert not [w for w in warnings if 'joint_position_min' in w], warnings
+    config, lines = _configure_logged(ros_context, 'param_refusal_first',
+                                      [Parameter('allow_random_weights', value=False)])
+    assert config is None
+    assert len(lines['error']) == 1 and 'allow_random_weights' in lines['error'][0], lines
+    assert not [w for w in lines['warning'] if 'joint_position_min' in w], lines['warning']
 
 
 def test_boolean_for_a_string_parameter_suggests_quoting(ros_context):
