@@ -143,6 +143,7 @@ def _given_by_rclpy(argv: list[str]) -> dict:
     ('molmobot_policy:max_image_age:=abc', False),     # its own section: 'abc' arrives,
                                                     # and the declaration refuses it
     ('max_image_age:=0.7', False),          # the same type: taken
+    ('max_image_age:=1e3', False),          # a float to rcl, a string to PyYAML: taken
     ('other_node:max_image_age:=abc', False),      # not for this node
 ])
 def test_a_p_override_rcl_drops_for_the_files_value_is_named(tmp_path, override, dropped):

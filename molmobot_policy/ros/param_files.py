@@ -128,6 +128,21 @@ def _ros_arguments(argv: list[str]) -> list[str]:
     return out
 
 
+def _same_value(got, wanted) -> bool:
+    """`got` (what rclpy gave) is `wanted` (the -p value as PyYAML reads it), of the same
+    type; a number PyYAML leaves a string and rcl reads as one (e.g. '1e3') counts as that
+    number."""
+    if isinstance(wanted, (list, tuple)):
+        return isinstance(got, list) and len(got) == len(wanted) and all(
+            _same_value(g, w) for g, w in zip(got, wanted))
+    if isinstance(got, (int, float)) and not isinstance(got, bool) and isinstance(wanted, str):
+        try:
+            return float(wanted) == got
+        except ValueError:
+            return False
+    return type(got) is type(wanted) and got == wanted
+
+
 def dropped_overrides(argv: list[str], node_name: str, given: dict) -> list[str]:
     """One error message per `-p [node:]name:=value` for this node in `argv` (ROS arguments)
     that did not take effect although no `--params-file` follows it: rcl keeps the value of
@@ -165,8 +180,7 @@ def dropped_overrides(argv: list[str], node_name: str, given: dict) -> list[str]
         value = given[name]
         got = list(value) if not isinstance(value, (str, bytes)) and hasattr(value, '__len__') \
             else value
-        wanted_cmp = list(wanted) if isinstance(wanted, (list, tuple)) else wanted
-        if type(got) is not type(wanted_cmp) or got != wanted_cmp:
+        if not _same_value(got, wanted):
             problems.append(
                 f"-p {name}:={text} did not take effect: the node was given {got!r} from a "
                 f"parameter file instead (rcl keeps a file's value when a later -p gives one "
