@@ -128,15 +128,23 @@ def _configure(context, name: str, **parameters) -> tuple[dict | None, list[str]
 def _configure_capturing(context, name: str, **node_kwargs) -> tuple[dict | None, list[str]]:
     """Configure a PolicyNode(**node_kwargs) whose engine factory records its engine config
     and fails; returns (that config or None, the error log lines)."""
+    config, lines = _configure_logged(context, name, **node_kwargs)
+    return config, lines['error']
+
+
+def _configure_logged(context, name: str, **node_kwargs) -> tuple[dict | None, dict]:
+    """As `_configure_capturing`, returning (that config or None, {'error' / 'warning' /
+    'info': the lines logged at that level})."""
     capture = _Capture()
     node = PolicyNode(engine_factory=capture, node_name=name, context=context, **node_kwargs)
+    lines = {'error': [], 'warning': [], 'info': []}
     try:
-        errors = []
-        node.get_logger().error = lambda msg, **kw: errors.append(msg)
+        for level, logged in lines.items():
+            setattr(node.get_logger(), level, lambda msg, logged=logged, **kw: logged.append(msg))
         assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-        return capture.config, errors
     finally:
         node.destroy_node()
+    return capture.config, lines
 
 
 class _Capture:
@@ -159,31 +167,15 @@ def test_unquoted_on_off_reach_the_engine_as_on_off(ros_context, value, expected
     assert config['fused_action_expert'] == expected
 
 
-def _configure_logged(context, name: str, overrides: list) -> tuple[dict | None, dict]:
-    """Configure a PolicyNode (autostart off, `overrides` beside) whose engine factory records
-    its engine config and fails; returns (that config or None, {'error' / 'warning' / 'info':
-    the lines logged at that level})."""
-    capture = _Capture()
-    node = PolicyNode(engine_factory=capture, node_name=name, context=context,
-                      parameter_overrides=[Parameter('autostart', value=False), *overrides])
-    lines = {'error': [], 'warning': [], 'info': []}
-    try:
-        for level, logged in lines.items():
-            setattr(node.get_logger(), level, lambda msg, logged=logged, **kw: logged.append(msg))
-        assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-    finally:
-        node.destroy_node()
-    return capture.config, lines
-
-
 @pytest.mark.parametrize('name', ['fused_action_expert', 'llm_attention', 'quantize', 'dtype',
                                   'tokenizer', 'overlong'])
 def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_context, name):
     """The value domains need no device: the node refuses 'banana' before it logs that it
     builds an engine (which would say RANDOM WEIGHTS are loading) or calls the factory."""
     config, lines = _configure_logged(
-        ros_context, f'param_banana_{name}',
-        [Parameter('allow_random_weights', value=True), Parameter(name, value='banana')])
+        ros_context, f'param_banana_{name}', parameter_overrides=[
+            Parameter('autostart', value=False), Parameter('allow_random_weights', value=True),
+            Parameter(name, value='banana')])
     assert config is None
     assert not [line for line in lines['info'] if 'building engine' in line], lines['info']
     errors = lines['error']
@@ -194,8 +186,9 @@ def test_a_misspelled_engine_option_is_refused_before_any_engine_is_built(ros_co
 def test_a_node_that_cannot_start_says_why_before_any_warning(ros_context):
     """Random weights not allowed (no checkpoint) and no position limits: the one line is the
     refusal, not a warning about limits of a node that will not run first."""
-    config, lines = _configure_logged(ros_context, 'param_refusal_first',
-                                      [Parameter('allow_random_weights', value=False)])
+    config, lines = _configure_logged(
+        ros_context, 'param_refusal_first', parameter_overrides=[
+            Parameter('autostart', value=False), Parameter('allow_random_weights', value=False)])
     assert config is None
     assert len(lines['error']) == 1 and 'allow_random_weights' in lines['error'][0], lines
     assert not [w for w in lines['warning'] if 'joint_position_min' in w], lines['warning']

@@ -125,12 +125,14 @@ def _given_by_rclpy(argv: list[str]) -> dict:
     """What rclpy gives a node 'molmobot_policy' for `argv` (its parameter overrides)."""
     rclpy = pytest.importorskip('rclpy')
     from rclpy.context import Context
+
+    from molmobot_policy.ros.parameters import given_parameters
     context = Context()
     rclpy.init(args=argv, context=context)
     try:
         node = rclpy.create_node('molmobot_policy', context=context)
         try:
-            return {name: p.value for name, p in node._parameter_overrides.items()}
+            return {name: p.value for name, p in given_parameters(node).items()}
         finally:
             node.destroy_node()
     finally:

@@ -40,7 +40,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from contextlib import contextmanager
 
 import rclpy

@@ -311,8 +311,7 @@ def declare_parameters(node) -> None:
             given = given_parameters(node).get(name)
             value = given.value if given is not None else '?'
             if isinstance(error, InvalidParameterValueException):
-                raise ParameterError(name, value, f'is out of range ({descriptor.description}'
-                                                  f'; {_range_text(descriptor)})') from None
+                raise ParameterError(name, value, _out_of_range_text(descriptor)) from None
             raise ParameterError(name, value, _type_expectation(default, value, descriptor)
                                  + f'): {error}') from None
 
@@ -377,10 +376,15 @@ def out_of_range(parameters: list) -> list[str]:
                 or parameter.type_ not in (Parameter.Type.DOUBLE, Parameter.Type.INTEGER)):
             continue
         if not ranges[0].from_value <= value <= ranges[0].to_value:
-            problems.append(str(ParameterError(
-                parameter.name, value,
-                f'is out of range ({descriptor.description}; {_range_text(descriptor)})')))
+            problems.append(str(ParameterError(parameter.name, value,
+                                               _out_of_range_text(descriptor))))
     return problems
+
+
+def _out_of_range_text(descriptor: ParameterDescriptor) -> str:
+    """'is out of range (<description>; allowed: min to max)': a file's value and a run-time
+    set's say the same."""
+    return f'is out of range ({descriptor.description}; {_range_text(descriptor)})'
 
 
 def _type_expectation(default, value, descriptor: ParameterDescriptor) -> str:

@@ -3,7 +3,6 @@ updates and input resets (`LoopReport`, a `timing.LoopEvents`; runs on the worke
 from __future__ import annotations
 
 import re
-import sys
 import threading
 import time
 from typing import Callable
