@@ -103,11 +103,11 @@ def test_a_read_overlapping_a_write_is_retried(slots, monkeypatch):
 
 def test_a_slot_being_written_is_not_read(slots):
     slots.write(0, b'\x01' * 3, 1.0, 1.0, height=1, width=1, step=3, encoding='rgb8')
-    buffer = slots._buffer
-    seq = int.from_bytes(buffer[0:8], 'little')
-    buffer[0:8] = (seq + 1).to_bytes(8, 'little')     # a writer in the middle of a write
+    buffer = slots._buffer                    # slot 0 starts at offset 0
+    seq = frame_slots._load_seq(buffer, 0)
+    frame_slots._store_seq(buffer, 0, seq + 1)    # a writer in the middle of a write
     assert slots.read(0, wait=0.001) is None
-    buffer[0:8] = (seq + 2).to_bytes(8, 'little')     # ... done
+    frame_slots._store_seq(buffer, 0, seq + 2)    # ... done
     assert slots.read(0).message.data == b'\x01' * 3
 
 
@@ -117,10 +117,9 @@ def test_a_read_waits_for_a_write_in_progress_instead_of_missing_the_frame(slots
     observations on the H200."""
     slots.write(0, b'\x01' * 3, 1.0, 1.0, height=1, width=1, step=3, encoding='rgb8')
     buffer = slots._buffer
-    seq = int.from_bytes(buffer[0:8], 'little')
-    buffer[0:8] = (seq + 1).to_bytes(8, 'little')     # a writer in the middle of a write
-    finish = threading.Timer(0.002, lambda: buffer.__setitem__(
-        slice(0, 8), (seq + 2).to_bytes(8, 'little')))
+    seq = frame_slots._load_seq(buffer, 0)
+    frame_slots._store_seq(buffer, 0, seq + 1)    # a writer in the middle of a write
+    finish = threading.Timer(0.002, lambda: frame_slots._store_seq(buffer, 0, seq + 2))
     finish.start()
     try:
         frame = slots.read(0, since=0, wait=1.0)
@@ -129,37 +128,67 @@ def test_a_read_waits_for_a_write_in_progress_instead_of_missing_the_frame(slots
     assert frame is not None and frame.message.data == b'\x01' * 3
 
 
-def _write_frames(name: str, frames: int, ready) -> None:
-    writer = FrameSlots.attach(name, 1, 1 << 20)
+def _write_frames(name: str, size: int, frames: int, ready) -> None:
+    writer = FrameSlots.attach(name, 1, size)
     ready.set()
     for n in range(1, frames + 1):
-        writer.write(0, bytes([n % 256]) * (1 << 20), float(n), float(n), height=1024,
-                     width=1024, step=1024, encoding='mono8')
+        writer.write(0, bytes([n % 256]) * size, float(n), float(n), height=1, width=size,
+                     step=size, encoding='mono8')
     writer.close()
 
 
-def test_every_read_under_a_writing_process_is_consistent():
-    """A writer process overwrites a 1 MiB slot as fast as it can; every snapshot the reader
+def _start_writer(owner: FrameSlots, size: int, frames: int):
+    context = multiprocessing.get_context('spawn')
+    ready = context.Event()
+    writer = context.Process(target=_write_frames, args=(owner.name, size, frames, ready))
+    writer.start()
+    assert ready.wait(30)
+    return writer
+
+
+@pytest.mark.parametrize('size, frames', [(1 << 20, 3000), (64, 100_000)])
+def test_every_read_under_a_writing_process_is_consistent(size, frames):
+    """A writer process overwrites the slot as fast as it can; every snapshot the reader
     gets has data of one message only, and the one its header names."""
-    owner = FrameSlots.create(1, capacity=1 << 20)
+    owner = FrameSlots.create(1, capacity=size)
     try:
-        context = multiprocessing.get_context('spawn')
-        ready = context.Event()
-        writer = context.Process(target=_write_frames, args=(owner.name, 3000, ready))
-        writer.start()
-        assert ready.wait(30)
+        writer = _start_writer(owner, size, frames)
         reads = 0
         while writer.is_alive() or reads == 0:
             frame = owner.read(0)
             if frame is None:
                 continue
             data = np.frombuffer(frame.message.data, np.uint8)
-            assert data.min() == data.max() == int(frame.stamp) % 256, frame.stamp
+            assert data.min() == data.max() == frame.count % 256, (frame.count, frame.stamp)
+            assert frame.stamp == frame.count
             reads += 1
         writer.join(30)
         assert writer.exitcode == 0
-        assert owner.read(0).stamp == 3000.0
+        assert owner.read(0).stamp == frames
     finally:
+        owner.unlink()
+
+
+def test_the_sequence_number_never_reads_lower_under_a_writing_process():
+    """The seqlock's sequence number only grows; a reader sampling it while another process
+    writes never sees a lower value (a value packed with `struct`, which zero-fills first,
+    read as 0 mid-write: an even number that let a torn copy pass as whole)."""
+    owner = FrameSlots.create(1, capacity=64)
+    words = owner._buffer[0:8].cast('Q')        # slot 0's sequence number, read whole
+    try:
+        writer = _start_writer(owner, 64, 100_000)
+        samples, last = 0, 0
+        while writer.is_alive():
+            for _ in range(1000):
+                seq = words[0]
+                assert seq >= last, (seq, last)
+                last = seq
+            samples += 1000
+        writer.join(30)
+        assert writer.exitcode == 0
+        assert words[0] == 2 * 100_000 and samples > 0
+    finally:
+        words.release()
         owner.unlink()
 
 

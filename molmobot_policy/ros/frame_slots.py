@@ -1,12 +1,12 @@
 """Newest camera frame per camera in shared memory, written by one process and read by another
 (no rclpy): the policy node's `camera_receiver: subprocess` (`ros.camera_receiver`).
 
-One `multiprocessing.shared_memory` segment holds one slot per camera. A slot is a header
-(HEADER struct) followed by RECENT receive times (float64, s, a ring indexed by the message
-count: the rate statistics of the messages the reader never sees, since only the newest
-frame is kept) and `capacity` bytes of message data: the raw image data (Image.data, `step`
-bytes per row) or the compressed bytes (CompressedImage.data). The writer overwrites the
-slot with every message; the reader copies the newest one out.
+One `multiprocessing.shared_memory` segment holds one slot per camera. A slot is its sequence
+number (SEQ_BYTES), a header (HEADER struct), RECENT receive times (float64, s, a ring indexed
+by the message count: the rate statistics of the messages the reader never sees, since only
+the newest frame is kept) and `capacity` bytes of message data: the raw image data
+(Image.data, `step` bytes per row) or the compressed bytes (CompressedImage.data). The writer
+overwrites the slot with every message; the reader copies the newest one out.
 
 Consistency (a seqlock, one writer per slot): the writer makes the slot's sequence number
 odd, writes header, receive time and data, then makes it even again; the reader reads the
@@ -14,6 +14,13 @@ sequence number, copies, reads it again and retries when it was odd or changed (
 the writer overwrote the slot meanwhile). `_fence` orders the accesses on each side: an
 uncontended lock acquire and release, whose atomic instructions carry full memory barriers
 (needed on weakly ordered CPUs, aarch64; x86-64 orders plain stores and loads anyway).
+
+The sequence number is read and written only whole, as one aligned 8-byte word (a memoryview
+cast to 'Q', native byte order: both processes run on one machine), never with `struct`:
+`struct.pack_into` zero-fills its span before packing the values (CPython's _struct.c), so a
+sequence number packed with it passes through 0, an even value; a reader that read that 0
+before and after its copy took a frame overwritten mid-copy for whole (seen as ~1 torn frame
+in 1000 reads of 1 MiB frames on a 2-core machine).
 
 A message larger than `capacity` is not written: the slot records its size (`length` >
 capacity) and the reader's `RawFrame` / `CompressedFrame` raises ValueError on `data`, so
@@ -30,11 +37,12 @@ import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-# seq (uint64), count (uint64: messages written), stamp (float64, header stamp s),
-# received (float64, receive time s, the writer's clock), length (uint64 bytes of data),
-# height, width, step (uint32), compressed (uint8), text length (uint8), text (encoding of a
-# raw image or format of a compressed one, ascii)
-HEADER = struct.Struct('<QQddQIIIBB126s')
+SEQ_BYTES = 8               # the sequence number: one uint64 word at the start of the slot
+# after it: count (uint64: messages written), stamp (float64, header stamp s), received
+# (float64, receive time s, the writer's clock), length (uint64 bytes of data), height, width,
+# step (uint32), compressed (uint8), text length (uint8), text (encoding of a raw image or
+# format of a compressed one, ascii)
+HEADER = struct.Struct('<QddQIIIBB126s')
 TEXT_BYTES = 126
 RECENT = 32                         # receive times kept per slot (the synchronizer's rate
                                     # window is 30)
@@ -57,6 +65,17 @@ def _fence() -> None:
     """A full memory barrier (see the module docstring)."""
     with _barrier:
         pass
+
+
+def _load_seq(buffer: memoryview, offset: int) -> int:
+    """The sequence number of the slot at `offset`, read as one word (see the module
+    docstring)."""
+    return buffer[offset:offset + SEQ_BYTES].cast('Q')[0]
+
+
+def _store_seq(buffer: memoryview, offset: int, seq: int) -> None:
+    """Write the sequence number of the slot at `offset` as one word."""
+    buffer[offset:offset + SEQ_BYTES].cast('Q')[0] = seq
 
 
 class _SlotData:
@@ -111,8 +130,9 @@ class SlotFrame:
 
 
 def slot_bytes(capacity: int) -> int:
-    """Bytes one slot of `capacity` data bytes takes (header, receive times, data, aligned)."""
-    size = HEADER.size + _RECENT.size + capacity
+    """Bytes one slot of `capacity` data bytes takes (sequence number, header, receive times,
+    data; aligned)."""
+    size = SEQ_BYTES + HEADER.size + _RECENT.size + capacity
     return -(-size // SLOT_ALIGN) * SLOT_ALIGN
 
 
@@ -184,20 +204,22 @@ class FrameSlots:
                              f'expected at most {TEXT_BYTES}')
         offset = slot * self._stride
         buffer = self._buffer
-        seq, count = struct.unpack_from('<QQ', buffer, offset)
-        seq, count = seq + 1 + seq % 2, count + 1   # (odd: a writer died mid-write)
-        struct.pack_into('<Q', buffer, offset, seq)                 # odd: being written
+        header = offset + SEQ_BYTES
+        seq = _load_seq(buffer, offset)
+        count = HEADER.unpack_from(buffer, header)[0] + 1
+        seq += 1 + seq % 2                  # (odd already: a writer died mid-write)
+        _store_seq(buffer, offset, seq)                             # odd: being written
         _fence()
         fits = len(view) <= self.capacity
-        HEADER.pack_into(buffer, offset, seq, count, float(stamp), float(received), len(view),
+        HEADER.pack_into(buffer, header, count, float(stamp), float(received), len(view),
                          int(height), int(width), int(step), bool(compressed), len(text), text)
-        struct.pack_into('<d', buffer, offset + HEADER.size + 8 * (count % RECENT),
+        struct.pack_into('<d', buffer, header + HEADER.size + 8 * (count % RECENT),
                          float(received))
         if fits:
-            start = offset + HEADER.size + _RECENT.size
+            start = header + HEADER.size + _RECENT.size
             buffer[start:start + len(view)] = view
         _fence()
-        struct.pack_into('<Q', buffer, offset, seq + 1)             # even: consistent
+        _store_seq(buffer, offset, seq + 1)                         # even: consistent
         return fits
 
     # -------------------------------------------------------------------- reader
@@ -219,21 +241,22 @@ class FrameSlots:
         """One attempt of `read` at the slot at `offset`: a SlotFrame, None (nothing newer than
         `since`), or _TORN (being written, or overwritten while copied)."""
         buffer = self._buffer
-        before = struct.unpack_from('<Q', buffer, offset)[0]
+        header = offset + SEQ_BYTES
+        before = _load_seq(buffer, offset)
         if before % 2:
             return _TORN            # being written
         _fence()
-        (_, count, stamp, received, length, height, width, step, compressed, text_length,
-         text) = HEADER.unpack_from(buffer, offset)
+        (count, stamp, received, length, height, width, step, compressed, text_length,
+         text) = HEADER.unpack_from(buffer, header)
         if count <= since:
             _fence()
-            return None if struct.unpack_from('<Q', buffer, offset)[0] == before else _TORN
-        recent = _RECENT.unpack_from(buffer, offset + HEADER.size)
-        start = offset + HEADER.size + _RECENT.size
+            return None if _load_seq(buffer, offset) == before else _TORN
+        recent = _RECENT.unpack_from(buffer, header + HEADER.size)
+        start = header + HEADER.size + _RECENT.size
         fits = length <= self.capacity
         data = bytes(buffer[start:start + length]) if fits else b''
         _fence()
-        if struct.unpack_from('<Q', buffer, offset)[0] != before:
+        if _load_seq(buffer, offset) != before:
             return _TORN            # overwritten while copying
         text = text[:text_length].decode('ascii', 'replace')
         too_large = '' if fits else (
