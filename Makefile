@@ -12,7 +12,7 @@ export FASTDDS_DEFAULT_PROFILES_FILE ?= $(CURDIR)/config/fastdds_large_images.xm
 export MUJOCO_GL ?= egl
 export PYOPENGL_PLATFORM ?= egl
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test launch-overlay clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -rs test --ignore=test/installed
 	bash scripts/test_ros_install.sh $(VENV)
+
+# The ROS 2 launch stack of ../shared/wheels in $(VENV)/launch-overlay, alone (make test installs
+# it too), for `ros2 launch` without a ROS 2 install (docs/ROBOT.md).
+launch-overlay: setup
+	OVERLAY_ONLY=1 bash scripts/test_ros_install.sh $(VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo/build demo/*.egg-info

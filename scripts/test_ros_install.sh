@@ -4,6 +4,8 @@
 # (test/installed/), in a pytest call of their own.
 #
 #   bash scripts/test_ros_install.sh [VENV]        (VENV: .venv; make test runs it)
+#   OVERLAY_ONLY=1 bash scripts/test_ros_install.sh [VENV]   (make launch-overlay: step 2
+#                                                   alone, for `ros2 launch` on a robot)
 #
 # 1. colcon build of this source tree into a temporary prefix (removed afterwards), both
 #    folders named as base paths: colcon's crawl stops at the root's package.xml, so a plain
@@ -24,18 +26,29 @@ cd "$(dirname "$0")/.."
 VENV=$(cd "${1:-.venv}" && pwd)
 PY=$VENV/bin/python
 WHEELS=${LAUNCH_WHEELS:-../shared/wheels}
+
+launch_stack() { "$PY" -c 'import launch_testing_ros, launch_ros, ros2launch' 2>/dev/null; }
+if [ "${OVERLAY_ONLY:-0}" = 1 ]; then
+  if launch_stack; then
+    echo "== launch stack: the environment's; no overlay needed"
+  elif [ ! -f "$WHEELS/install.sh" ]; then
+    echo "no ROS 2 install and no $WHEELS: no launch stack to install" >&2; exit 1
+  fi
+fi
+
 work=$(mktemp -d "${TMPDIR:-/tmp}/molmobot_policy_install.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-echo "== colcon build: $(pwd) and $(pwd)/demo into the temporary prefix $work/install"
-if ! "$VENV/bin/colcon" --log-base "$work/log" build --base-paths . demo \
-    --build-base "$work/build" --install-base "$work/install" --merge-install \
-    --event-handlers console_direct-; then
-  cat "$work"/log/latest_build/molmobot_policy*/stdout_stderr.log >&2 || true
-  exit 1
+if [ "${OVERLAY_ONLY:-0}" != 1 ]; then
+  echo "== colcon build: $(pwd) and $(pwd)/demo into the temporary prefix $work/install"
+  if ! "$VENV/bin/colcon" --log-base "$work/log" build --base-paths . demo \
+      --build-base "$work/build" --install-base "$work/install" --merge-install \
+      --event-handlers console_direct-; then
+    cat "$work"/log/latest_build/molmobot_policy*/stdout_stderr.log >&2 || true
+    exit 1
+  fi
 fi
 
-launch_stack() { "$PY" -c 'import launch_testing_ros, launch_ros, ros2launch' 2>/dev/null; }
 if launch_stack; then
   echo "== launch stack: the environment's ($("$PY" -c 'import launch; print(launch.__file__)'))"
 elif [ ! -f "$WHEELS/install.sh" ]; then
@@ -59,6 +72,7 @@ else
   export PATH=$overlay/bin:$PATH
   launch_stack || { echo "the launch stack in $overlay does not import" >&2; exit 1; }
 fi
+[ "${OVERLAY_ONLY:-0}" = 1 ] && exit 0
 
 set +u      # colcon's setup scripts read unset variables
 # shellcheck disable=SC1091

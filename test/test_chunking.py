@@ -188,9 +188,13 @@ def test_chunk_gap_warns_when_a_chunk_ends_before_the_next_arrives():
     assert chunk_gap(0, 0.1, 1.0, 0.3) == ''       # horizon unknown (a stand-in engine)
 
 
-def test_chunk_gap_says_plainly_when_every_action_is_past_at_publish():
+def test_unpublishable_chunks_says_plainly_when_every_action_is_past_at_publish():
     """control_period 0.01 s: 16 actions span 0.16 s, less than a 0.4 s lead (third
     fresh-user trial: only 'stop and go' was said, then every tick was skipped)."""
-    from molmobot_policy.timing.chunking import chunk_gap
-    assert chunk_gap(16, 0.01, 1.5, 0.4).startswith('no chunk can be published: its 16 '
-                                                    'actions x control_period 0.01 s')
+    from molmobot_policy.timing.chunking import chunk_gap, unpublishable_chunks
+    assert unpublishable_chunks(16, 0.01, 0.4).startswith('no chunk can be published: its 16 '
+                                                          'actions x control_period 0.01 s')
+    assert unpublishable_chunks(16, 0.05, 0.8) != ''     # 0.80 s of actions, 0.80 s lead
+    assert unpublishable_chunks(16, 0.05, 0.1) == ''     # stop and go at worst: chunk_gap's
+    assert unpublishable_chunks(0, 0.01, 0.4) == ''      # horizon unknown (a stand-in engine)
+    assert chunk_gap(16, 0.01, 1.5, 0.4) == ''           # said once, by unpublishable_chunks

@@ -401,6 +401,33 @@ def test_the_first_lead_is_the_engines_warm_inference_time(graph):
     assert _values(g.status('inference'))['lead_ms'] == '60.0'
 
 
+def test_a_configuration_whose_actions_are_all_past_at_publish_fails_configure(graph):
+    """16 actions x control_period 0.05 s = 0.8 s, a warm inference of 0.7 s (lead 0.84 s):
+    every action is due before its chunk is sent. A new-user trial saw only a warning, then
+    an active node skipping every tick; configure now fails naming the fix."""
+    class Slow(_Engine):
+        inference_seconds = 0.7
+    g = graph('safety_unpublishable', engine=Slow, allow_random_weights=True,
+              chunk_period=1.5, control_period=0.05)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.FAILURE
+    errors = g.log.text('error')
+    assert 'configure failed: no chunk can be published: its 16 actions x control_period ' \
+        '0.05 s = 0.80 s' in errors, g.log.text()
+    assert '16 x control_period >= chunk_period + the lead' in errors
+    assert g.policy.engine is None
+
+
+def test_a_configuration_with_time_left_after_the_lead_configures(graph):
+    """The same with a 0.5 s inference (lead 0.6 s): 0.2 s of each chunk is left, stop and
+    go (a warning), not refused."""
+    class Slower(_Engine):
+        inference_seconds = 0.5
+    g = graph('safety_stop_and_go', engine=Slower, allow_random_weights=True,
+              chunk_period=1.5, control_period=0.05)
+    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS, g.log.text()
+    assert 'stop and go' in g.log.text('warning')
+
+
 # ------------------------------------------------------------------ 6. never silent
 def test_a_non_finite_joint_state_makes_the_output_an_error_naming_the_joint(graph):
     g = graph('safety_nan', allow_random_weights=True, output_error_periods=2)

@@ -63,7 +63,7 @@ from molmobot_policy.ros.serving import (check_robot_contract,  # noqa: F401 (pu
 from molmobot_policy.ros.synchronizer import ObservationSynchronizer, Skip
 from molmobot_policy.timing import (GcPauses, OutputWatchdog, PolicyLoop, QuietWindow,
                                     freeze_heap, latency_estimator, unfreeze_heap)
-from molmobot_policy.timing.chunking import chunk_gap
+from molmobot_policy.timing.chunking import chunk_gap, unpublishable_chunks
 from molmobot_policy.timing.reports import STATS_WINDOW
 
 RECEIVER_RESTART_S = 2.0    # the shortest time between two restarts of the camera receiver
@@ -321,6 +321,12 @@ class PolicyNode(LifecycleNode):
             self.engine.warmup(progress=self._warmup_progress)
             self._latency = latency_estimator(self._param('chunk_period'),
                                               getattr(self.engine, 'inference_seconds', None))
+            # a configuration that would skip every tick is refused, not left active and silent
+            unpublishable = unpublishable_chunks(self.engine.model_config.action_horizon,
+                                                 self._param('control_period'),
+                                                 self._latency.lead())
+            if unpublishable:
+                raise ValueError(unpublishable)
         except Exception as error:  # noqa: BLE001 - any failure leaves the node unconfigured
             # a KeyError's str() is its message in quotes
             message = error.args[0] if isinstance(error, KeyError) and error.args else error

@@ -229,21 +229,30 @@ class ChunkStitcher:
         return limited
 
 
+def unpublishable_chunks(horizon: int, control_period: float, lead: float) -> str:
+    """'' unless every action of every chunk is due before the chunk is sent, else why: a
+    chunk holds `horizon` actions `control_period` s apart and is published about `lead` s
+    after its observation, dropping the actions due by then; when horizon x control_period
+    <= lead none is left and the node would skip every tick. s throughout."""
+    if horizon <= 0 or horizon * control_period > lead:
+        return ''
+    return (f'no chunk can be published: its {horizon} actions x control_period '
+            f'{control_period:g} s = {horizon * control_period:.2f} s are all in the past by '
+            f'the time it is sent (the lead, ~{lead:.2f} s, is about 1.2 x the inference '
+            f'time); make {horizon} x control_period >= chunk_period + the lead')
+
+
 def chunk_gap(horizon: int, control_period: float, chunk_period: float, lead: float) -> str:
-    """'' when a chunk's actions last until the next chunk arrives, else a warning: each
-    chunk holds `horizon` actions `control_period` s apart, of which those due before its
-    publish (about `lead` s of them) are dropped, and the next comes `chunk_period` s later; a
-    shorter span leaves the arm still between chunks (stop and go). s throughout."""
+    """'' when a chunk's actions last until the next chunk arrives (or none is left at
+    publish: `unpublishable_chunks`), else a warning: each chunk holds `horizon` actions
+    `control_period` s apart, of which those due before its publish (about `lead` s of them)
+    are dropped, and the next comes `chunk_period` s later; a shorter span leaves the arm
+    still between chunks (stop and go). s throughout."""
     if horizon <= 0:
         return ''
     span = horizon * control_period - lead
-    if span >= chunk_period:
+    if span >= chunk_period or span <= 0.0:
         return ''
-    if span <= 0.0:
-        return (f'no chunk can be published: its {horizon} actions x control_period '
-                f'{control_period:g} s = {horizon * control_period:.2f} s are all in the past '
-                f'by the time it is sent (the lead, ~{lead:.2f} s, is about 1.2 x the '
-                f'inference time); make {horizon} x control_period >= chunk_period + the lead')
     return (f'each chunk moves the arm for ~{span:.2f} s ({horizon} actions x control_period '
             f'{control_period:g} s, less the ~{lead:.2f} s lead dropped at publish) but chunks '
             f'come every chunk_period {chunk_period:g} s: the arm stands still ~'
