@@ -27,15 +27,6 @@ VENV=$(cd "${1:-.venv}" && pwd)
 PY=$VENV/bin/python
 WHEELS=${LAUNCH_WHEELS:-../shared/wheels}
 
-launch_stack() { "$PY" -c 'import launch_testing_ros, launch_ros, ros2launch' 2>/dev/null; }
-if [ "${OVERLAY_ONLY:-0}" = 1 ]; then
-  if launch_stack; then
-    echo "== launch stack: the environment's; no overlay needed"
-  elif [ ! -f "$WHEELS/install.sh" ]; then
-    echo "no ROS 2 install and no $WHEELS: no launch stack to install" >&2; exit 1
-  fi
-fi
-
 work=$(mktemp -d "${TMPDIR:-/tmp}/molmobot_policy_install.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
@@ -49,6 +40,7 @@ if [ "${OVERLAY_ONLY:-0}" != 1 ]; then
   fi
 fi
 
+launch_stack() { "$PY" -c 'import launch_testing_ros, launch_ros, ros2launch' 2>/dev/null; }
 if launch_stack; then
   echo "== launch stack: the environment's ($("$PY" -c 'import launch; print(launch.__file__)'))"
 elif [ ! -f "$WHEELS/install.sh" ]; then
@@ -72,7 +64,10 @@ else
   export PATH=$overlay/bin:$PATH
   launch_stack || { echo "the launch stack in $overlay does not import" >&2; exit 1; }
 fi
-[ "${OVERLAY_ONLY:-0}" = 1 ] && exit 0
+if [ "${OVERLAY_ONLY:-0}" = 1 ]; then
+  launch_stack && exit 0
+  echo "no launch stack to use (see the line above)" >&2; exit 1
+fi
 
 set +u      # colcon's setup scripts read unset variables
 # shellcheck disable=SC1091

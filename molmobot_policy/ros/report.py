@@ -8,8 +8,8 @@ import time
 from typing import Callable
 
 from molmobot_policy.ros import messages
-from molmobot_policy.ros.entry import print_log
 from molmobot_policy.ros.diagnostics import diagnostic_name
+from molmobot_policy.ros.entry import print_log
 from molmobot_policy.ros.synchronizer import NOT_YET
 from molmobot_policy.timing import LoopEvents
 

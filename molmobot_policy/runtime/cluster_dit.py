@@ -37,8 +37,9 @@ for every CTA of the cluster to arrive:
   reads each 16-key tile once, `pack_context`) stream into a ring of
   11 shared-memory slots of 12 KB by bulk asynchronous copies (TMA), issued a ring ahead of
   their use: weights never depend on activations. Each warp of a GEMM (and of the scores)
-  waits for the slots of its own n-tiles only, and starts as they land. Each block's small epilogue operands
-  (scales, gates, biases, the LayerNorm tables of its columns) are copied a block ahead.
+  waits for the slots of its own n-tiles only, and starts as they land. Each block's small
+  epilogue operands (scales, gates, biases, the LayerNorm tables of its columns) are copied a
+  block ahead.
 
 - a whole Euler step (`ClusterDiTStep.flow_step`, what `ServedActionExpert.flow` serves): the
   kernel also embeds the action tokens from x_t before the blocks, and after them cluster 0
