@@ -581,13 +581,14 @@ def test_a_configure_time_parameter_is_refused_while_configured_and_taken_after_
     assert "'chunk_period' is read at configure: deactivate and clean up the node" in \
         result.reason
     assert "refused run-time set: 'chunk_period' is read at configure" in g.log.text('warning')
-    assert g.policy.trigger_deactivate() == TransitionCallbackReturn.SUCCESS
+    # transitions on the executor's thread (`in_executor`), as a lifecycle service runs them
+    assert g.in_executor(g.policy.trigger_deactivate) == TransitionCallbackReturn.SUCCESS
     assert g.policy.set_parameters([Parameter('chunk_period', value=0.4)])[0].successful \
         is False                                                  # inactive: still configured
-    assert g.policy.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+    assert g.in_executor(g.policy.trigger_cleanup) == TransitionCallbackReturn.SUCCESS
     assert g.policy.set_parameters([Parameter('chunk_period', value=0.4)])[0].successful
-    assert g.policy.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    assert g.policy.trigger_activate() == TransitionCallbackReturn.SUCCESS
+    assert g.in_executor(g.policy.trigger_configure) == TransitionCallbackReturn.SUCCESS
+    assert g.in_executor(g.policy.trigger_activate) == TransitionCallbackReturn.SUCCESS
     assert 'chunk every 0.4 s' in g.log.text('info').split('active:')[-1]
 
 
